@@ -91,42 +91,15 @@ MIN_ACCURACY = {"search": 0.0, "python": 0.0, "both": 0.0}
 
 @pytest.mark.slow
 def test_sft_model_follows_the_protocol_but_leaves_headroom(sft_model_dir):
-    from arpo.config import load_config
-    from arpo.engine.config import EngineConfig
-    from arpo.engine.vllm_engine import VLLMEngine
-    from arpo.rollout.arpo_rollout import ARPORollout
-    from reward_fns import default_compute_score
-    from tools.registry import load_tools
+    from arpo.evaluation.protocol_quality import measure_protocol_quality
 
     data_dir = sft_model_dir.parents[1] / "data" / "synthetic"
-    cfg = load_config("sft", [f"synthetic.out_dir={data_dir}"])
-    tok = AutoTokenizer.from_pretrained(sft_model_dir)
-    engine = VLLMEngine(EngineConfig(model_path=str(sft_model_dir), max_model_len=1024))
-    tools = load_tools(cfg.tools)
-    rollout = ARPORollout(engine, tok, {"mode": "single", "n": 1, "initial_rollouts": 1, "max_response_length": 400,
-                                        "temperature": 1.0, "tool_call_limit": 4, "seed": 0}, tools)
-    try:
-        df = pd.read_parquet(data_dir / "test.parquet")
-        prompts = [tok.apply_chat_template(list(p), add_generation_prompt=True, tokenize=True)["input_ids"]
-                   for p in df.prompt]
-        batch = rollout.generate(prompts)
-    finally:
-        rollout.close()
-        tools.close()
-        engine.shutdown()
-    per_kind: dict[str, list[tuple[bool, bool]]] = {}
-    p_len = batch.tensors["prompts"].shape[1]
-    for i in range(len(batch)):
-        row = df.iloc[int(batch.non_tensors["group_index"][i])]
-        keep = batch.tensors["attention_mask"][i, p_len:].bool()
-        text = tok.decode(batch.tensors["responses"][i][keep].tolist(), skip_special_tokens=True)
-        r = default_compute_score(row.data_source, text, row.reward_model["ground_truth"], dict(row.extra_info))
-        per_kind.setdefault(row.ability, []).append((bool(r["format_ok"]), r["acc"] > 0))
-    summary = {k: {"n": len(v), "format": sum(f for f, _ in v) / len(v), "acc": sum(a for _, a in v) / len(v)}
-               for k, v in per_kind.items()}
+    result = measure_protocol_quality(sft_model_dir, data_dir, temperature=1.0, seed=0)
+    summary = result["per_kind"]
     print(json.dumps(summary))
-    all_rows = [x for v in per_kind.values() for x in v]
-    assert sum(f for f, _ in all_rows) / len(all_rows) >= MIN_FORMAT_RATE, summary
+    assert set(summary) == {"search", "python", "both"}
+    assert result["overall"]["n"] == len(pd.read_parquet(data_dir / "test.parquet"))
+    assert result["overall"]["format"] >= MIN_FORMAT_RATE, summary
     for kind, s in summary.items():
         assert s["acc"] >= MIN_ACCURACY[kind], summary
         assert s["acc"] < 0.95, f"SFT should leave RL headroom: {summary}"

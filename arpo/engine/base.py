@@ -25,6 +25,14 @@ class SamplingParams:
     #: number of top logprobs to return per generated token (None: none).
     logprobs: int | None = None
     seed: int | None = None
+    #: False: the backend may return no ``text`` and skip decoding the logprob candidates (vLLM then spends
+    #: much less per token on logprobs). Stop strings need decoded text, so ``stop`` must then be empty.
+    detokenize: bool = True
+
+    def validate(self) -> "SamplingParams":
+        if self.stop and not self.detokenize:
+            raise ValueError(f"stop strings {list(self.stop)} need detokenize=True (or use stop_token_ids)")
+        return self
 
     def with_(self, **changes) -> "SamplingParams":
         return replace(self, **changes)

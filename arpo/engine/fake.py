@@ -168,6 +168,7 @@ class ScriptedEngine:
             raise RuntimeError("ScriptedEngine is asleep; call wake_up() before generate()")
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
+        sampling_params.validate()
         record = RequestRecord(request_id, len(prompt_ids), sampling_params)
         self.requests.append(record)
         self.in_flight += 1

@@ -127,7 +127,7 @@ class HFEngine:
                        request_id: str) -> GenerationOutput:
         if not prompt_ids:
             raise ValueError(f"request {request_id}: prompt_ids is empty; give at least one token")
-        sp = sampling_params
+        sp = sampling_params.validate()
         seed = sp.seed if sp.seed is not None else None
         generator = None
         if sp.temperature > 0:

@@ -9,6 +9,13 @@ head's post-load processing repacks it from the (updated) shared weight. On GPU 
 
 from __future__ import annotations
 
+from arpo.engine.config import default_device
+from arpo.engine.vllm_cpu_patches import use_eager_logprob_rank
+
+# vLLM imports this module in every worker process: an engine core in its own process gets the CPU fix too.
+if default_device() == "cpu":
+    use_eager_logprob_rank()
+
 
 class ArpoWorkerExtension:
     """Methods vLLM mixes into each worker class (so ``self`` is the worker)."""

@@ -26,6 +26,13 @@ Per prompt (a *group*, budget M = ``n``), one call of :meth:`ARPORollout.agenera
    when branching takes its slot. Which fills survive depends only on how many are needed, never on their
    content, so the kept ones are unbiased fresh samples; the trade is extra compute for less latency.
 
+Logprobs only where entropy is measured. Entropy uses the top-k logprobs of a segment's first
+``entropy_window`` tokens; asking the engine for them on every token costs about 1.6x the generation time on
+vLLM (it builds and detokenises k candidates per token). So a segment is requested as a window request with
+logprobs, then at once (same coroutine, no extra round) a continuation without them; ``return_entropy``
+(per-token entropy for analysis) asks for them everywhere instead. A stop string split between the two
+requests is found and cut like the probe's below.
+
 Entropy timing. ``timing: code`` takes H_now from the first ``entropy_window`` tokens of the segment that
 ends with the tool call (the released code). ``timing: paper`` appends the result, generates
 ``entropy_window`` tokens (a *probe* request), measures them, then decides; forks start from the end of the
@@ -370,6 +377,8 @@ class _RolloutCall:
             stop_token_ids=tuple(cfg.stop_token_ids),
             logprobs=cfg.topk_logprobs if want_logprobs else None,
         )
+        #: branching needs logprobs on each segment's entropy window only (see _request)
+        self.window_logprobs_only = want_logprobs and not cfg.return_entropy
         self.trajs: list[_Traj] = []
         self.by_group: list[list[_Traj]] = [[] for _ in prompts]
         self.budgets = [GroupBudget(cfg.n) for _ in prompts]
@@ -459,14 +468,56 @@ class _RolloutCall:
         return self._finalise()
 
     async def _request(self, t: _Traj) -> GenerationOutput:
+        """One engine call for ``t``. Entropy needs top-k logprobs only on a segment's first ``entropy_window``
+        tokens, and asking for them on every token costs ~1.6x the generation time; so a fresh segment is
+        generated as a window request (logprobs, no detokenisation: stop strings are found here) followed at
+        once by a continuation without logprobs (same coroutine: no extra round), unless ``return_entropy``
+        wants them all. The two are returned as one output whose ``logprobs`` cover the window only."""
         room = self.cfg.max_response_length - len(t.response_ids)
-        max_tokens = min(room, self.bcfg.window) if t.phase == "probe" else room
+        window = self.bcfg.window
+        split = (self.window_logprobs_only and t.phase == "generate" and len(t.response_ids) == t.seg_start
+                 and room > window)
+        if t.phase == "probe" or split:
+            first = await self._window_call(t, min(room, window))
+        else:
+            wants = len(t.response_ids) == t.seg_start or not self.window_logprobs_only
+            return await self._engine_call(t, room, logprobs=wants)
+        if not split or first.finish_reason != "length" or len(first.token_ids) < window:
+            return first
+        rest = await self._engine_call(t, room - len(first.token_ids), logprobs=False, after=first.token_ids)
+        ids, _, finish, stop_reason = self._cut_straddling_stop(
+            list(first.token_ids), list(rest.token_ids), [], rest.finish_reason, rest.stop_reason)
+        return GenerationOutput(token_ids=list(first.token_ids) + ids, text="", finish_reason=finish,
+                                stop_reason=stop_reason, logprobs=first.logprobs,
+                                num_cached_tokens=first.num_cached_tokens)
+
+    async def _window_call(self, t: _Traj, max_tokens: int) -> GenerationOutput:
+        """At most ``max_tokens`` tokens with logprobs and without detokenisation (vLLM then skips decoding
+        the k candidates of every token); the engine cannot see stop strings, so the first one is cut here,
+        where the engine would have stopped (tokens sampled after it are dropped, never used)."""
+        out = await self._engine_call(t, max_tokens, logprobs=True, detokenize=False)
+        ids, lps = list(out.token_ids), list(out.logprobs or [])
+        stops = [s for s in self.base_params.stop if s]
+        text = self.tok.decode(ids)
+        found = [(text.find(s), s) for s in stops if s in text]
+        if not found:
+            return out
+        start, stop = min(found)
+        m = next(m for m in range(1, len(ids) + 1) if len(self.tok.decode(ids[:m])) >= start + len(stop))
+        return dataclasses.replace(out, token_ids=ids[:m], logprobs=lps[:m] if out.logprobs is not None else None,
+                                   finish_reason="stop", stop_reason=stop, text="")
+
+    async def _engine_call(self, t: _Traj, max_tokens: int, logprobs: bool, after: list[int] | None = None,
+                           detokenize: bool = True) -> GenerationOutput:
         params = self.base_params.with_(max_tokens=max_tokens,
-                                        seed=derive_seed(self.seed, t.group, t.key, t.n_requests))
+                                        seed=derive_seed(self.seed, t.group, t.key, t.n_requests),
+                                        logprobs=self.base_params.logprobs if logprobs else None)
+        if not detokenize:
+            params = params.with_(stop=(), detokenize=False)
         request_id = f"arpo-{self.nonce}-g{t.group}-t{t.local}-r{t.n_requests}"
         first_of_branch = t.kind == "branch" and t.n_requests == 0
         t.n_requests += 1
-        prompt = t.prompt_ids + t.response_ids
+        prompt = t.prompt_ids + t.response_ids + list(after or [])
         out = await self.engine.generate(prompt, params, request_id)
         self.m.count["requests"] += 1
         if out.num_cached_tokens is not None:
@@ -479,21 +530,24 @@ class _RolloutCall:
 
     def _absorb(self, t: _Traj, out: GenerationOutput) -> tuple[str, Any]:
         """Append a request's tokens to the trajectory; return (finish reason, stop reason) after our own
-        check for a stop string split across requests."""
+        check for a stop string split across requests. ``logprobs`` may cover only the first tokens (the
+        entropy window); the rest get NaN entropy."""
         ids = list(out.token_ids)
         lps = list(out.logprobs) if out.logprobs is not None else []
         finish, stop_reason = out.finish_reason, out.stop_reason
         if t.seg_start < len(t.response_ids) and ids:
-            ids, lps, finish, stop_reason = self._cut_straddling_stop(t, ids, lps, finish, stop_reason)
+            ids, lps, finish, stop_reason = self._cut_straddling_stop(
+                t.response_ids[t.seg_start:], ids, lps, finish, stop_reason)
+        lps = lps[: len(ids)]
         first_piece = len(t.response_ids) == t.seg_start
-        entropy = [token_entropy(lp) / self.log_v for lp in lps] if len(lps) == len(ids) else None
+        root_start = not t.response_ids and t.kind in ("initial", "fill")
+        entropy = [token_entropy(lp) / self.log_v for lp in lps] + [math.nan] * (len(ids) - len(lps))
         t.append(ids, model=True, entropy=entropy)
-        if len(lps) == len(ids):
-            t.seg_logprobs.extend(lps[: max(0, self.bcfg.window - len(t.seg_logprobs))])
+        t.seg_logprobs.extend(lps[: max(0, self.bcfg.window - len(t.seg_logprobs))])
         self.m.count["tokens_generated"] += len(ids)
-        if first_piece and lps and len(lps) == len(ids):
+        if first_piece and lps:
             h = self._window(lps)
-            if t.n_requests == 1 and t.kind in ("initial", "fill"):
+            if root_start:
                 t.own_h0 = h
                 self.m.values["entropy_initial"].append(h)
                 if self.bcfg.initial_entropy_scope == "trajectory":
@@ -505,10 +559,11 @@ class _RolloutCall:
                     t.tool_calls[-1]["entropy_after"] = h
         return finish, stop_reason
 
-    def _cut_straddling_stop(self, t: _Traj, ids: list[int], lps: list, finish: str, stop_reason: Any):
-        """A segment split over two requests (probe + continuation) can hide a multi-token stop string
-        across the split, which the engine never sees; cut the continuation where the stop string ends."""
-        prev = self.tok.decode(t.response_ids[t.seg_start:])
+    def _cut_straddling_stop(self, prev_ids: list[int], ids: list[int], lps: list, finish: str, stop_reason: Any):
+        """A segment split over two requests (window + continuation, or probe + continuation) can hide a
+        multi-token stop string across the split, which the engine never sees; cut the continuation where the
+        stop string ends."""
+        prev = self.tok.decode(prev_ids)
         text = prev + self.tok.decode(ids)
         stops = [s for s in self.base_params.stop if s]
         found = [(text.find(s), s) for s in stops if 0 <= text.find(s) < len(prev) < text.find(s) + len(s)]

@@ -86,3 +86,19 @@ def test_save_weights_dedups_tied_tensors_and_replaces_old_files(tmp_path):
     assert torch.equal(loaded["model.embed_tokens.weight"], emb.weight.detach().to(torch.bfloat16))
     with pytest.raises(FileNotFoundError, match="save_weights_for_engine"):
         load_weights_from_dir(tmp_path / "nothing")
+
+
+def test_eager_logprob_rank_replaces_the_compiled_helper_with_the_same_function():
+    pytest.importorskip("vllm")
+    import vllm.v1.sample.sampler as sampler
+
+    from arpo.engine.vllm_cpu_patches import use_eager_logprob_rank
+
+    compiled = sampler.batched_count_greater_than
+    assert use_eager_logprob_rank()
+    eager = sampler.batched_count_greater_than
+    assert not hasattr(eager, "_torchdynamo_orig_callable")
+    logprobs = torch.log_softmax(torch.randn(5, 50), dim=-1)
+    sampled = logprobs.gather(-1, torch.randint(0, 50, (5, 1)))
+    assert torch.equal(eager(logprobs, sampled), (logprobs >= sampled).sum(-1))
+    assert compiled is eager or getattr(compiled, "_torchdynamo_orig_callable", None) is eager

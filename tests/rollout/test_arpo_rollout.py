@@ -148,7 +148,8 @@ def random_case(seed: int):
         paper_beta=r.choice([0.2, 1.0]), paper_tau=0.5, entropy_window=r.choice([1, 5, 20]),
         topk_logprobs=r.choice([1, 5, 10]), entropy_reduction=r.choice(["mean", "sum"]),
         initial_entropy_scope=r.choice(["trajectory", "group"]), tool_call_limit=r.choice([0, 1, 3, 6]),
-        max_response_length=r.choice([30, 120, 400]), fill=r.choice(["fresh", "duplicate"]), return_entropy=True,
+        max_response_length=r.choice([30, 120, 400]), fill=r.choice(["fresh", "duplicate"]),
+        return_entropy=r.random() < 0.7,
         tool_retries=r.choice([0, 1]),
     )
     if cfg["fill"] == "fresh":
@@ -166,6 +167,10 @@ def test_invariants_over_random_configs(seed):
     check_invariants(batch, gen.config, engine.tokenizer, n_prompts)
     # all initial trajectories went to the engine at once
     assert engine.max_in_flight >= n_prompts * gen.config.num_initial
+    if gen.config.mode == "arpo" and not gen.config.return_entropy:
+        # entropy needs logprobs on the window only: no request asks for them on more tokens
+        assert all(q.sampling_params.max_tokens <= gen.config.entropy_window
+                   for q in engine.requests if q.sampling_params.logprobs is not None)
 
 
 def snapshot(batch: DataBatch):
@@ -419,7 +424,8 @@ class FixedScriptEngine(ScriptedEngine):
 
     def _plan(self, context, rng):
         n = context.count(RESULT_CLOSE)
-        emitted = context[context.rfind(RESULT_CLOSE) + len(RESULT_CLOSE):] if n else ""
+        # what this segment already holds: after the last result, or after the prompt (which ends with "?")
+        emitted = context[context.rfind(RESULT_CLOSE) + len(RESULT_CLOSE):] if n else context.split("?", 1)[1]
         text = self.texts[min(n, len(self.texts) - 1)]
         assert text.startswith(emitted)
         ids = self.tokenizer.encode(text)[len(self.tokenizer.encode(emitted)):]
@@ -513,3 +519,63 @@ def test_generate_reuses_one_event_loop():
     gen.generate([engine.tokenizer.encode("Q?")], seed=1)
     assert len(set(map(id, loops))) == 1
     gen.close()
+
+
+class RecordingEngine(ScriptedEngine):
+    """Keeps every request's prompt and output."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = []
+
+    async def generate(self, prompt_ids, sampling_params, request_id):
+        out = await super().generate(prompt_ids, sampling_params, request_id)
+        self.calls.append((list(prompt_ids), sampling_params, out))
+        return out
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_window_logprobs_give_the_entropies_the_decisions_use(reduction):
+    k = 6
+    engine = RecordingEngine(ToyTokenizer(), policy=ScriptPolicy(call_prob=1.0, call_decay=0.2, think_words=(4, 9)))
+    cfg = {"n": 6, "initial_rollouts": 3, "max_response_length": 300, "entropy_window": k, "tool_call_limit": 3,
+           "entropy_reduction": reduction, "branch_probability": 0.5}
+    batch, _, gen = rollout(cfg, engine=engine, n_prompts=2)
+    check_invariants(batch, gen.config, engine.tokenizer, 2)
+    with_lp = [(p, o) for p, sp, o in engine.calls if sp.logprobs is not None]
+    without = [(p, o) for p, sp, o in engine.calls if sp.logprobs is None]
+    assert with_lp and without, "segments longer than the window continue without logprobs"
+    assert all(len(o.token_ids) <= k for _, o in with_lp)
+    # the request that opened a segment carried the logprobs its window entropy came from
+    p_len = batch["prompts"].shape[1]
+    log_v = math.log(len(engine.tokenizer))
+    checked = 0
+    for i, r in enumerate(rows(batch)):
+        prompt = batch["prompts"][i][batch["attention_mask"][i, :p_len].bool()].tolist()
+        for c_i, c in enumerate(r["calls"]):
+            if c["end"] <= r["bpos"]:
+                continue
+            seg_start = r["calls"][c_i - 1]["end"] if c_i else 0
+            opener = [o for p, o in with_lp if p == prompt + r["ids"][:seg_start]
+                      and r["ids"][seg_start: seg_start + len(o.token_ids)] == o.token_ids]
+            ents = [sum(-math.exp(lp) * lp for lp in step.values()) / log_v for step in opener[0].logprobs[:k]]
+            assert c["entropy_before"] == pytest.approx(window(ents, k, reduction), abs=1e-9)
+            checked += 1
+    assert checked > 0
+
+
+def test_stop_string_split_between_window_and_continuation():
+    # the window ends inside "</python>": the continuation must be cut right after the tag
+    texts = ["<python>print(1 + 2)</python> then more words", "<answer> \\boxed{3} </answer>"]
+    engine = FixedScriptEngine(texts)
+    tok = engine.tokenizer
+    k = len(tok.encode("<python>print(1 + 2)")) + 1
+    cfg = {"n": 1, "initial_rollouts": 1, "entropy_window": k, "max_response_length": 200}
+    batch, _, gen = rollout(cfg, engine=engine, n_prompts=1)
+    check_invariants(batch, gen.config, tok, 1)
+    r = rows(batch)[0]
+    assert [c["tool"] for c in r["calls"]] == ["python"]
+    assert tok.decode(r["ids"][: r["calls"][0]["start"]]) == "<python>print(1 + 2)</python>"
+    window_request = engine.requests[0]
+    assert window_request.sampling_params.max_tokens == k and window_request.finish_reason == "length"
+    assert engine.requests[1].sampling_params.logprobs is None
