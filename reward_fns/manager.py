@@ -236,6 +236,16 @@ class RewardManager:
         self.close()
 
 
+def decode_response_texts(batch: Any, tokenizer: Any) -> list[str]:
+    """Each row's response text for the reward functions: the valid (attention 1) response tokens, special
+    tokens skipped, as verl decodes them."""
+    responses = batch["responses"]
+    prompt_len = batch["prompts"].shape[1]
+    valid_len = batch["attention_mask"][:, prompt_len: prompt_len + responses.shape[1]].sum(dim=1)
+    return [tokenizer.decode(responses[i, : int(valid_len[i])].tolist(), skip_special_tokens=True)
+            for i in range(responses.shape[0])]
+
+
 def build_token_level_rewards(
     batch: Any,
     response_texts: Sequence[str] | None,
@@ -271,8 +281,7 @@ def build_token_level_rewards(
     if response_texts is None:
         if tokenizer is None:
             raise ValueError("build_token_level_rewards needs response_texts or a tokenizer to decode responses")
-        response_texts = [tokenizer.decode(responses[i, : int(valid_len[i])].tolist(), skip_special_tokens=True)
-                          for i in range(n)]
+        response_texts = decode_response_texts(batch, tokenizer)
     if len(response_texts) != n:
         raise ValueError(f"{len(response_texts)} response texts for a batch of {n} rows")
     for key in (data_source_key, "reward_model"):

@@ -29,13 +29,6 @@ from arpo.trainer.metrics import Timer, compute_data_metrics
 logger = logging.getLogger(__name__)
 
 
-def decode_responses(batch: DataBatch, tokenizer) -> list[str]:
-    """Response text of every row (pad dropped, special tokens dropped) for the reward functions."""
-    resp = batch.tensors["responses"]
-    attn = batch.tensors["attention_mask"][:, -resp.shape[1]:].bool()
-    return [tokenizer.decode(r[m].tolist(), skip_special_tokens=True) for r, m in zip(resp, attn)]
-
-
 def compute_advantage(batch: DataBatch, cfg: DictConfig) -> DataBatch:
     """Advantages and returns with the configured estimator, then soft/hard sharing over the branch tree."""
     algo = cfg.algorithm
@@ -101,9 +94,9 @@ class RayARPOTrainer:
         return self.rollout.generate_sequences(prompts)
 
     def _score(self, batch: DataBatch) -> tuple[DataBatch, dict[str, float]]:
-        from reward_fns.manager import build_token_level_rewards
+        from reward_fns.manager import build_token_level_rewards, decode_response_texts
 
-        texts = decode_responses(batch, self.tokenizer)
+        texts = decode_response_texts(batch, self.tokenizer)
         scores, result = build_token_level_rewards(batch, texts, self.reward_manager)
         batch.tensors["token_level_scores"] = scores
         batch.non_tensors["response_text"] = _column(texts)
