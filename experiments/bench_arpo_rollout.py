@@ -14,7 +14,8 @@ Prints one JSON object: per mode (``arpo``, ``single``) the median wall time, ge
 requests, rounds, branches, prefix-cache hit rate overall and on the first request of each branch, time in
 generation vs tools; and ``arpo_over_single_wall`` (the goal: at most 1.1), also for ARPO with
 ``speculative_fill`` = M − N. ``single_logprobs`` is the plain rollout asking for top-k logprobs on every
-token, which shows what entropy measurement would cost if it were not limited to the entropy windows. The prefix cache is reset before
+token, and ``arpo_all_logprobs`` ARPO doing the same (``return_entropy``): together they show what limiting
+logprobs to the entropy windows saves. ``--modes`` picks a subset. The prefix cache is reset before
 every run so no run inherits another's cache.
 """
 
@@ -112,6 +113,9 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         "arpo": ARPORolloutConfig(mode="arpo", initial_rollouts=args.initial, timing=args.timing, **common),
         "arpo_speculative_fill": ARPORolloutConfig(mode="arpo", initial_rollouts=args.initial, timing=args.timing,
                                                    speculative_fill=args.n - args.initial, **common),
+        # ARPO asking for logprobs on every token (return_entropy): what the window-only requests save
+        "arpo_all_logprobs": ARPORolloutConfig(mode="arpo", initial_rollouts=args.initial, timing=args.timing,
+                                               return_entropy=True, **common),
         "single": ARPORolloutConfig(mode="single", **common),
         # the same sampling with top-k logprobs on every token: what entropy measurement alone costs
         "single_logprobs": ARPORolloutConfig(mode="single", return_entropy=True, **common),
@@ -122,13 +126,18 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     # one untimed run first: the engine's first requests pay for allocations no later run pays for
     await _run_once(engine, tokenizer, tools, prompts, cfgs["arpo"].validate(), args.seed + 1000)
     # modes interleaved within each repeat, so drifts of the machine's speed hit every mode alike
+    if args.modes:
+        unknown = sorted(set(args.modes) - set(cfgs))
+        if unknown:
+            raise SystemExit(f"--modes: unknown {unknown}; choose from {sorted(cfgs)}")
+        cfgs = {m: c for m, c in cfgs.items() if m in args.modes or m in ("arpo", "single")}
     runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in cfgs}
     for r in range(args.repeats):
         for mode, cfg in cfgs.items():
             runs[mode].append(await _run_once(engine, tokenizer, tools, prompts, cfg.validate(), args.seed + r))
     for mode in cfgs:
         result[mode] = _summary(runs[mode])
-    for mode in ("arpo", "arpo_speculative_fill"):
+    for mode in [m for m in cfgs if m.startswith("arpo")]:
         result[f"{mode}_over_single_wall"] = result[mode]["wall_s_median"] / result["single"]["wall_s_median"]
     return result
 
@@ -150,6 +159,8 @@ def main() -> None:
     ap.add_argument("--token-latency-ms", type=float, default=1.0,
                     help="scripted engine only: delay per generated token (a round costs its longest request)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--modes", nargs="*", default=None,
+                    help="subset of modes to run (arpo and single always run); default: all")
     print(json.dumps(asyncio.run(amain(ap.parse_args())), indent=2))
 
 
