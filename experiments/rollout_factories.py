@@ -17,12 +17,7 @@ def vllm_engine(model_path: str):
     from arpo.engine.config import EngineConfig
     from arpo.engine.vllm_engine import VLLMEngine
 
-    import json
-
-    # ARPO_BENCH_ENGINE_KWARGS: JSON passed to vLLM's engine args (e.g. '{"block_size": 32}')
-    kwargs = json.loads(os.environ.get("ARPO_BENCH_ENGINE_KWARGS", "{}"))
-    return VLLMEngine(EngineConfig(model_path=model_path, max_model_len=2048, engine_kwargs=kwargs)), \
-        AutoTokenizer.from_pretrained(model_path)
+    return VLLMEngine(EngineConfig(model_path=model_path, max_model_len=2048)), AutoTokenizer.from_pretrained(model_path)
 
 
 def hf_engine(model_path: str):

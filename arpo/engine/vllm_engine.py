@@ -107,10 +107,9 @@ class VLLMEngine:
 
     def _vllm_sampling_params(self, sp: SamplingParams, prompt_len: int):
         from vllm import SamplingParams as VSamplingParams
-
-        sp.validate()
         from vllm.sampling_params import RequestOutputKind
 
+        sp.validate()
         return VSamplingParams(
             temperature=sp.temperature,
             top_p=sp.top_p,

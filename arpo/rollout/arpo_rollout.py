@@ -485,7 +485,7 @@ class _RolloutCall:
         if not split or first.finish_reason != "length" or len(first.token_ids) < window:
             return first
         rest = await self._engine_call(t, room - len(first.token_ids), logprobs=False, after=first.token_ids)
-        ids, _, finish, stop_reason = self._cut_straddling_stop(
+        ids, _, finish, stop_reason = self._cut_at_stop(
             list(first.token_ids), list(rest.token_ids), [], rest.finish_reason, rest.stop_reason)
         return GenerationOutput(token_ids=list(first.token_ids) + ids, text="", finish_reason=finish,
                                 stop_reason=stop_reason, logprobs=first.logprobs,
@@ -496,16 +496,10 @@ class _RolloutCall:
         the k candidates of every token); the engine cannot see stop strings, so the first one is cut here,
         where the engine would have stopped (tokens sampled after it are dropped, never used)."""
         out = await self._engine_call(t, max_tokens, logprobs=True, detokenize=False)
-        ids, lps = list(out.token_ids), list(out.logprobs or [])
-        stops = [s for s in self.base_params.stop if s]
-        text = self.tok.decode(ids)
-        found = [(text.find(s), s) for s in stops if s in text]
-        if not found:
-            return out
-        start, stop = min(found)
-        m = next(m for m in range(1, len(ids) + 1) if len(self.tok.decode(ids[:m])) >= start + len(stop))
-        return dataclasses.replace(out, token_ids=ids[:m], logprobs=lps[:m] if out.logprobs is not None else None,
-                                   finish_reason="stop", stop_reason=stop, text="")
+        ids, lps, finish, stop_reason = self._cut_at_stop(
+            [], list(out.token_ids), list(out.logprobs or []), out.finish_reason, out.stop_reason)
+        return dataclasses.replace(out, token_ids=ids, logprobs=lps if out.logprobs is not None else None,
+                                   finish_reason=finish, stop_reason=stop_reason, text="")
 
     async def _engine_call(self, t: _Traj, max_tokens: int, logprobs: bool, after: list[int] | None = None,
                            detokenize: bool = True) -> GenerationOutput:
@@ -536,7 +530,7 @@ class _RolloutCall:
         lps = list(out.logprobs) if out.logprobs is not None else []
         finish, stop_reason = out.finish_reason, out.stop_reason
         if t.seg_start < len(t.response_ids) and ids:
-            ids, lps, finish, stop_reason = self._cut_straddling_stop(
+            ids, lps, finish, stop_reason = self._cut_at_stop(
                 t.response_ids[t.seg_start:], ids, lps, finish, stop_reason)
         lps = lps[: len(ids)]
         first_piece = len(t.response_ids) == t.seg_start
@@ -559,14 +553,15 @@ class _RolloutCall:
                     t.tool_calls[-1]["entropy_after"] = h
         return finish, stop_reason
 
-    def _cut_straddling_stop(self, prev_ids: list[int], ids: list[int], lps: list, finish: str, stop_reason: Any):
-        """A segment split over two requests (window + continuation, or probe + continuation) can hide a
-        multi-token stop string across the split, which the engine never sees; cut the continuation where the
-        stop string ends."""
+    def _cut_at_stop(self, prev_ids: list[int], ids: list[int], lps: list, finish: str, stop_reason: Any):
+        """Cut ``ids`` right after the first stop string that ends inside them, with ``prev_ids`` (the segment's
+        tokens from an earlier request) as context. The engine cannot see a stop string split over two
+        requests (window or probe + continuation), nor any stop string in a window request, which runs
+        without detokenisation."""
         prev = self.tok.decode(prev_ids)
         text = prev + self.tok.decode(ids)
-        stops = [s for s in self.base_params.stop if s]
-        found = [(text.find(s), s) for s in stops if 0 <= text.find(s) < len(prev) < text.find(s) + len(s)]
+        found = [(i, s) for s in self.base_params.stop if s
+                 for i in [text.find(s, max(0, len(prev) - len(s) + 1))] if i >= 0]
         if not found:
             return ids, lps, finish, stop_reason
         start, stop = min(found)
