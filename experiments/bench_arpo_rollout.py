@@ -13,9 +13,11 @@ time (requests overlap, so a round of requests costs about its longest one). ``-
 Prints one JSON object: per mode (``arpo``, ``single``) the median wall time, generated tokens, tokens/s,
 requests, rounds, branches, prefix-cache hit rate overall and on the first request of each branch, time in
 generation vs tools; and ``arpo_over_single_wall`` (the goal: at most 1.1), also for ARPO with
-``speculative_fill`` = M − N. ``single_logprobs`` is the plain rollout asking for top-k logprobs on every
+``speculative_fill`` = M − N, each also as ``…_paired_median``: the median over repeats of the ratio within
+one repeat, which a machine whose speed drifts between runs disturbs less. ``single_logprobs`` is the plain rollout asking for top-k logprobs on every
 token, and ``arpo_all_logprobs`` ARPO doing the same (``return_entropy``): together they show what limiting
-logprobs to the entropy windows saves. ``--modes`` picks a subset. The prefix cache is reset before
+logprobs to the entropy windows saves. ``arpo_rounds`` and ``single_rounds`` run ``schedule: rounds`` (all
+trajectories step together) against the ``--schedule`` of the others (default ``async``). ``--modes`` picks a subset. The prefix cache is reset before
 every run so no run inherits another's cache.
 """
 
@@ -108,7 +110,8 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         prompts = [tokenizer.encode(f"Question {i}: which city is the capital of country number {i}?",
                                     add_special_tokens=False) for i in range(args.prompts)]
     common = dict(n=args.n, max_response_length=args.max_response_length, tool_call_limit=args.tool_call_limit,
-                  tool_retries=0)
+                  tool_retries=0, schedule=args.schedule)
+    rounds = dict(common, schedule="rounds")
     cfgs = {
         "arpo": ARPORolloutConfig(mode="arpo", initial_rollouts=args.initial, timing=args.timing, **common),
         "arpo_speculative_fill": ARPORolloutConfig(mode="arpo", initial_rollouts=args.initial, timing=args.timing,
@@ -116,7 +119,10 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         # ARPO asking for logprobs on every token (return_entropy): what the window-only requests save
         "arpo_all_logprobs": ARPORolloutConfig(mode="arpo", initial_rollouts=args.initial, timing=args.timing,
                                                return_entropy=True, **common),
+        # the round-synchronous loop (released code's; exact replay): what the per-trajectory tasks save
+        "arpo_rounds": ARPORolloutConfig(mode="arpo", initial_rollouts=args.initial, timing=args.timing, **rounds),
         "single": ARPORolloutConfig(mode="single", **common),
+        "single_rounds": ARPORolloutConfig(mode="single", **rounds),
         # the same sampling with top-k logprobs on every token: what entropy measurement alone costs
         "single_logprobs": ARPORolloutConfig(mode="single", return_entropy=True, **common),
     }
@@ -131,6 +137,8 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         if unknown:
             raise SystemExit(f"--modes: unknown {unknown}; choose from {sorted(cfgs)}")
         cfgs = {m: c for m, c in cfgs.items() if m in args.modes or m in ("arpo", "single")}
+        if "arpo_rounds" in cfgs:
+            cfgs["single_rounds"] = cfgs.get("single_rounds") or ARPORolloutConfig(mode="single", **rounds)
     runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in cfgs}
     for r in range(args.repeats):
         for mode, cfg in cfgs.items():
@@ -138,7 +146,11 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     for mode in cfgs:
         result[mode] = _summary(runs[mode])
     for mode in [m for m in cfgs if m.startswith("arpo")]:
-        result[f"{mode}_over_single_wall"] = result[mode]["wall_s_median"] / result["single"]["wall_s_median"]
+        base = "single_rounds" if mode.endswith("_rounds") else "single"
+        result[f"{mode}_over_{base}_wall"] = result[mode]["wall_s_median"] / result[base]["wall_s_median"]
+        # the ratio within each repeat (same minute of machine time), robust to the machine's speed drifting
+        paired = [a["timing_s/rollout_total"] / b["timing_s/rollout_total"] for a, b in zip(runs[mode], runs[base])]
+        result[f"{mode}_over_{base}_wall_paired_median"] = statistics.median(paired)
     return result
 
 
@@ -154,6 +166,8 @@ def main() -> None:
     ap.add_argument("--max-response-length", type=int, default=1024)
     ap.add_argument("--tool-call-limit", type=int, default=3)
     ap.add_argument("--timing", choices=["code", "paper"], default="code")
+    ap.add_argument("--schedule", choices=["async", "rounds"], default="async",
+                    help="rollout schedule of every mode except the *_rounds ones")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--latency-ms", type=float, default=2.0, help="scripted engine only: delay per request")
     ap.add_argument("--token-latency-ms", type=float, default=1.0,

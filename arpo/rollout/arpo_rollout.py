@@ -3,9 +3,11 @@
 Per prompt (a *group*, budget M = ``n``), one call of :meth:`ARPORollout.agenerate` does:
 
 1. start ``initial_rollouts`` (N) root trajectories from the prompt;
-2. every *round*, send ALL active trajectories to the engine at once (``asyncio.gather``; the engine's
-   continuous batching and prefix cache do the rest), each generating until a tool's close tag (a stop
-   string), EOS, or the response length limit;
+2. send ALL active trajectories to the engine at once (the engine's continuous batching and prefix cache do
+   the rest), each generating until a tool's close tag (a stop string), EOS, or the response length limit.
+   ``schedule: async`` (default) runs each trajectory as its own task — generate, tool, generate … — and a
+   fork or fill starts the moment it exists; ``schedule: rounds`` steps all active trajectories together
+   (one round = one request each, then all tool calls), the released code's loop;
 3. parse the trailing tool call (:func:`arpo.protocol.parse_trailing_tool_call`), run all calls of the round
    concurrently in the tool thread pool (:class:`~arpo.rollout.tool_executor.ToolExecutor`), and append
    `` <result>\\n…\\n</result>`` as tokens with ``response_mask`` 0. Token in, token out: the result text is
@@ -50,9 +52,13 @@ trajectory with ``finish_reason`` ``tool_limit``. Malformed calls (a close tag w
 error text result and count toward the limit.
 
 Determinism. Engine requests carry seeds derived from (call seed, group, trajectory, request number), and
-branching draws come from one generator per group consumed in a fixed order, so a deterministic engine gives
-identical batches for identical seeds whatever order requests complete in. A call without an explicit seed
-uses ``seed`` mixed with the call count, so a fresh generator replays the same sequence of batches.
+each branching decision draws from its own generator seeded by (call seed, group, trajectory, call number),
+so no draw depends on the order requests complete in. Under ``schedule: rounds`` decisions also take budget
+slots in a fixed order, so a deterministic engine gives identical batches for identical seeds whatever order
+requests complete in. Under ``schedule: async`` slots go in completion order: batches are identical as long
+as no group's budget runs out while two of its forks race for the last slots; otherwise which fork gets a
+slot depends on timing (every invariant still holds). A call without an explicit seed uses ``seed`` mixed
+with the call count, so a fresh generator replays the same sequence of batches.
 
 ``mode: single`` is plain GRPO sampling with the same tools and loop (``n`` independent roots, no
 branching) for baselines and benchmarks; it requests logprobs only when ``return_entropy`` is set.
@@ -85,6 +91,7 @@ logger = logging.getLogger(__name__)
 CONFIG_PREFIX = "actor_rollout_ref.rollout.arpo"
 MODES = ("arpo", "single")
 FILLS = ("fresh", "duplicate")
+SCHEDULES = ("async", "rounds")
 
 
 @dataclass
@@ -92,6 +99,7 @@ class ARPORolloutConfig:
     """``actor_rollout_ref.rollout.arpo.*`` (every key is documented in ``configs/rollout/arpo.yaml``)."""
 
     mode: str = "arpo"
+    schedule: str = "async"
     n: int = 16
     initial_rollouts: int = 8
     beam_size: int = 2
@@ -152,6 +160,7 @@ class ARPORolloutConfig:
                 raise ValueError(msg)
 
         need(self.mode in MODES, f"{p}.mode={self.mode!r}: use one of {MODES}")
+        need(self.schedule in SCHEDULES, f"{p}.schedule={self.schedule!r}: use one of {SCHEDULES}")
         need(isinstance(self.n, int) and self.n >= 1, f"{p}.n={self.n!r}: the per-prompt budget M must be >= 1")
         need(isinstance(self.initial_rollouts, int) and self.initial_rollouts >= 1,
              f"{p}.initial_rollouts={self.initial_rollouts!r}: must be >= 1")
@@ -238,6 +247,8 @@ class _Traj:
     #: a fill started before the group knows it needs it: not in the budget, dropped if not needed.
     speculative: bool = False
     discarded: bool = False
+    #: its first request has come back (group-scope initial entropy waits for every initial root's)
+    started: bool = False
 
     def append(self, ids: list[int], model: bool, entropy: list[float] | None = None) -> None:
         self.response_ids.extend(ids)
@@ -245,11 +256,45 @@ class _Traj:
         self.token_entropy.extend(entropy if entropy is not None else [math.nan] * len(ids))
 
 
+@dataclass
+class _Decision:
+    """A branching decision whose forks wait for a budget slot (see ``_RolloutCall._decide``)."""
+
+    traj: "_Traj"
+    depth: int  # the parent's tool-call count at the decision
+    pos: int  # response position the forks start from
+    wants: int  # forks the rule asked for
+    records: list[dict[str, Any]]  # the parent's tool-call records at the decision, for the forks
+
+
+class _BusyClock:
+    """Wall time during which at least one operation of a kind runs (overlapping ones are counted once), so
+    generation and tool time stay comparable with the total when both overlap (``schedule: async``)."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._active = 0
+        self._since = 0.0
+
+    def __enter__(self) -> "_BusyClock":
+        if self._active == 0:
+            self._since = time.perf_counter()
+        self._active += 1
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._active -= 1
+        if self._active == 0:
+            self.total += time.perf_counter() - self._since
+
+
 class _Metrics:
     def __init__(self) -> None:
         self.count: Counter[str] = Counter()
         self.values: dict[str, list[float]] = defaultdict(list)
         self.time: Counter[str] = Counter()
+        self.generate_clock = _BusyClock()
+        self.tools_clock = _BusyClock()
 
     def mean(self, key: str) -> float:
         vals = self.values.get(key)
@@ -382,8 +427,16 @@ class _RolloutCall:
         self.trajs: list[_Traj] = []
         self.by_group: list[list[_Traj]] = [[] for _ in prompts]
         self.budgets = [GroupBudget(cfg.n) for _ in prompts]
-        self.branch_rngs = [random.Random(derive_seed(seed, "branch", g)) for g in range(len(prompts))]
         self.group_h0: list[float | None] = [None] * len(prompts)
+        #: branching decisions waiting for a slot, per group (see _branch)
+        self.pending: list[list[_Decision]] = [[] for _ in prompts]
+        #: set once the group's initial entropy is known (``initial_entropy_scope: group``)
+        self.h0_settled = [asyncio.Event() for _ in prompts]
+        #: schedule async: one task per trajectory that has started, by tid
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.live: set[asyncio.Task] = set()
+        self.task_errors: list[BaseException] = []
+        self.task_event = asyncio.Event()
         self.m = _Metrics()
         self.nonce = uuid.uuid4().hex[:8]  # request ids only; outputs never depend on it
         self.progress = None
@@ -402,18 +455,28 @@ class _RolloutCall:
             t.h_initial = self.group_h0[group]
         return t
 
-    def _fork(self, parent: _Traj, pos: int, kind: str = "branch") -> _Traj:
+    def _fork(self, parent: _Traj, pos: int, kind: str = "branch",
+              records: list[dict[str, Any]] | None = None) -> _Traj:
+        """A copy of ``parent``'s first ``pos`` response tokens (the parent may have moved on since: its tokens
+        are append-only) with ``records``, its tool-call records as they were when the fork was decided."""
+        if records is None:
+            records = [c for c in parent.tool_calls if c["end"] <= pos]
         siblings = sum(1 for x in self.by_group[parent.group] if x.parent == parent.tid and x.branch_pos == pos)
         child = self._new(
             parent.group, kind, parent.key + (pos, siblings),
             response_ids=parent.response_ids[:pos], response_mask=parent.response_mask[:pos],
             token_entropy=parent.token_entropy[:pos], parent=parent.tid, branch_pos=pos,
-            tool_calls=copy.deepcopy([c for c in parent.tool_calls if c["end"] <= pos]),
-            n_calls=sum(1 for c in parent.tool_calls if c["end"] <= pos),
+            tool_calls=copy.deepcopy(records), n_calls=len(records),
             h_initial=parent.h_initial, own_h0=parent.own_h0, seg_start=pos,
-            seg_after_tool=bool(parent.tool_calls) and parent.tool_calls[-1]["end"] == pos,
+            seg_after_tool=bool(records) and records[-1]["end"] == pos,
         )
         return child
+
+    @staticmethod
+    def _canonical(t: _Traj) -> tuple:
+        """A trajectory's place in the group's fixed order: initial roots, then fills, forks after their parent
+        (by identity, never by creation time)."""
+        return (t.key[0] != "initial",) + t.key[1:]
 
     # ---- the loop -----------------------------------------------------------------------------------
     async def run(self) -> list[Trajectory]:
@@ -433,12 +496,26 @@ class _RolloutCall:
                                  disable=not cfg.show_progress, leave=False)
         except ImportError:  # pragma: no cover - tqdm is a dependency
             self.progress = None
-        self._fill()
-        active = [t for t in self.trajs]
+        self._fill(range(len(self.prompts)))
+        try:
+            if cfg.schedule == "rounds":
+                await self._run_rounds()
+            else:
+                await self._run_async()
+        finally:
+            if self.progress is not None:
+                self.progress.close()
+        self.m.time["total"] = time.perf_counter() - t_start
+        return self._finalise()
+
+    async def _run_rounds(self) -> None:
+        """``schedule: rounds``: every round sends all active trajectories at once and waits for all of them,
+        then runs all tool calls of the round at once. Decisions happen in a fixed order, so a deterministic
+        engine gives identical batches whatever order requests complete in (exact replay)."""
+        active = list(self.trajs)
         rounds = 0
         while active:
             rounds += 1
-            t0 = time.perf_counter()
             tasks = [asyncio.ensure_future(self._request(t)) for t in active]
             try:
                 outputs = await asyncio.gather(*tasks)
@@ -446,9 +523,8 @@ class _RolloutCall:
                 for task in tasks:  # do not leave orphan requests running in the engine
                     task.cancel()
                 raise
-            self.m.time["generate"] += time.perf_counter() - t0
             finishes = [self._absorb(t, out) for t, out in zip(active, outputs)]
-            self._settle_initial_entropy()
+            self._settle_initial_entropy(range(len(self.prompts)))
             if self.bcfg.timing == "paper":
                 for t in active:
                     if t.phase == "probe":
@@ -459,13 +535,65 @@ class _RolloutCall:
                 if call is not None:
                     pending.append((t, call))
             await self._run_tools(pending)
-            self._fill()
+            self._fill(range(len(self.prompts)))
             active = [t for t in self.trajs if t.phase != "done"]
         self.m.count["rounds"] = rounds
-        self.m.time["total"] = time.perf_counter() - t_start
-        if self.progress is not None:
-            self.progress.close()
-        return self._finalise()
+
+    async def _run_async(self) -> None:
+        """``schedule: async``: one task per trajectory (generate, tool, generate, ...); forks and fills start
+        their own task the moment they exist. No trajectory waits for another's request or tool call (except
+        for the group's initial entropy under ``initial_entropy_scope: group``), so there are no round
+        barriers and a group's late fills overlap other groups' work."""
+        for g in range(len(self.prompts)):
+            self._start_tasks(g)
+        try:
+            while self.live:
+                await self.task_event.wait()
+                self.task_event.clear()
+                if self.task_errors:
+                    raise self.task_errors[0]
+        except BaseException:
+            for task in self.tasks.values():  # do not leave orphan requests running in the engine
+                task.cancel()
+            raise
+
+    async def _drive(self, t: _Traj) -> None:
+        """One trajectory's life under ``schedule: async``, the same steps as one round, for one trajectory."""
+        while t.phase != "done":
+            out = await self._request(t)
+            finish, stop_reason = self._absorb(t, out)
+            self._settle_initial_entropy([t.group])
+            if t.phase == "probe":
+                self._decide_paper(t)
+            call = self._classify(t, out, finish, stop_reason)
+            if call is not None:
+                if t.h_initial is None and t.kind != "fill" and self.cfg.branching_enabled \
+                        and self.bcfg.initial_entropy_scope == "group":
+                    # the decision after this call compares against the mean over the group's initial roots
+                    await self.h0_settled[t.group].wait()
+                await self._run_tools([(t, call)])
+            self._fill([t.group])
+            self._start_tasks(t.group)
+
+    def _start_tasks(self, group: int) -> None:
+        """Start a task for each new trajectory of the group; cancel those of dropped speculative fills."""
+        current = asyncio.current_task()
+        for t in self.by_group[group]:
+            task = self.tasks.get(t.tid)
+            if t.discarded:
+                if task is not None and task is not current and not task.done():
+                    task.cancel()  # its in-flight request is aborted; its tokens were counted as discarded
+            elif task is None and t.phase != "done":
+                task = asyncio.ensure_future(self._drive(t))
+                self.tasks[t.tid] = task
+                self.live.add(task)
+                task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self.live.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.task_errors.append(task.exception())
+        self.task_event.set()
 
     async def _request(self, t: _Traj) -> GenerationOutput:
         """One engine call for ``t``. Entropy needs top-k logprobs only on a segment's first ``entropy_window``
@@ -512,7 +640,8 @@ class _RolloutCall:
         first_of_branch = t.kind == "branch" and t.n_requests == 0
         t.n_requests += 1
         prompt = t.prompt_ids + t.response_ids + list(after or [])
-        out = await self.engine.generate(prompt, params, request_id)
+        with self.m.generate_clock:
+            out = await self.engine.generate(prompt, params, request_id)
         self.m.count["requests"] += 1
         if out.num_cached_tokens is not None:
             self.m.count["prompt_tokens"] += len(prompt)
@@ -535,6 +664,7 @@ class _RolloutCall:
         lps = lps[: len(ids)]
         first_piece = len(t.response_ids) == t.seg_start
         root_start = not t.response_ids and t.kind in ("initial", "fill")
+        t.started = True
         entropy = [token_entropy(lp) / self.log_v for lp in lps] + [math.nan] * (len(ids) - len(lps))
         t.append(ids, model=True, entropy=entropy)
         t.seg_logprobs.extend(lps[: max(0, self.bcfg.window - len(t.seg_logprobs))])
@@ -573,17 +703,22 @@ class _RolloutCall:
     def _window(self, lps: list[dict[int, float]]) -> float:
         return window_entropy(lps, self.bcfg.window, self.vocab_size, self.bcfg.entropy_reduction)
 
-    def _settle_initial_entropy(self) -> None:
+    def _settle_initial_entropy(self, groups: Iterable[int]) -> None:
+        """Scope ``group``: once every initial root's first request is back, H_initial is the mean of their
+        first windows (over those that have one; none: the group never branches)."""
         if self.bcfg.initial_entropy_scope != "group":
             return
-        for g, group in enumerate(self.by_group):
-            if self.group_h0[g] is not None:
+        for g in groups:
+            if self.h0_settled[g].is_set():
                 continue
-            roots = [t.own_h0 for t in group if t.kind == "initial"]
-            if roots and all(h is not None for h in roots):
-                self.group_h0[g] = sum(roots) / len(roots)
-                for t in group:
-                    t.h_initial = self.group_h0[g]
+            roots = [t for t in self.by_group[g] if t.kind == "initial"]
+            if not roots or not all(t.started for t in roots):
+                continue
+            hs = [t.own_h0 for t in roots if t.own_h0 is not None]
+            self.group_h0[g] = sum(hs) / len(hs) if hs else None
+            for t in self.by_group[g]:
+                t.h_initial = self.group_h0[g]
+            self.h0_settled[g].set()
 
     def _classify(self, t: _Traj, out: GenerationOutput, finish: str, stop_reason: Any):
         """After a request: return the tool call to run (or "malformed"), or None (finished / continues)."""
@@ -626,9 +761,8 @@ class _RolloutCall:
         if not pending:
             return
         real = [(t, c) for t, c in pending if not isinstance(c, tuple)]
-        t0 = time.perf_counter()
-        results = await self.executor.arun_many([(c.tool, c.content) for _, c in real])
-        self.m.time["tools"] += time.perf_counter() - t0
+        with self.m.tools_clock:
+            results = await self.executor.arun_many([(c.tool, c.content) for _, c in real])
         by_tid = {t.tid: r for (t, _), r in zip(real, results)}
         for t, call in pending:
             if isinstance(call, tuple):
@@ -666,7 +800,9 @@ class _RolloutCall:
         t.seg_start = len(t.response_ids)
         t.seg_logprobs = []
         t.seg_after_tool = True
-        if not cfg.branching_enabled or t.kind == "fill" or self.budgets[t.group].remaining == 0:
+        # Decide (and, timing paper, probe) even when the budget is spent: the draws and records then do not
+        # depend on which trajectory spent it first.
+        if not cfg.branching_enabled or t.kind == "fill":
             return
         if self.bcfg.timing == "code":
             if h_before is not None and t.h_initial is not None:
@@ -684,21 +820,58 @@ class _RolloutCall:
         self._branch(t, self._window(t.seg_logprobs) - t.h_initial, t.branch_point, record)
 
     def _branch(self, t: _Traj, delta_h: float, pos: int, record: dict[str, Any]) -> None:
-        budget, rng = self.budgets[t.group], self.branch_rngs[t.group]
+        """One branching decision: ``beam_size - 1`` draws of the rule, from a generator seeded by the
+        trajectory's identity and call number, so no draw depends on the order decisions happen in.
+
+        Slots go to decisions in a fixed order — by tool-call depth, then the trajectory's place in the group
+        (:meth:`_canonical`), each taking what it asks for while slots last — whatever the order they are
+        taken in, so both schedules give the same batch for a seed. A decision gets its forks at once when
+        the slots left cover everything any other decision could still ask for (then the order cannot
+        matter); otherwise it waits in ``pending`` until every decision before it in that order is known
+        (:meth:`_resolve_pending`). The parent never waits: it goes on generating, and the forks copy its
+        tokens up to ``pos`` when they are granted."""
+        rng = random.Random(derive_seed(self.seed, "branch", t.group, t.key, t.n_calls))
         record["delta_entropy"] = delta_h
         self.m.values["delta_entropy"].append(delta_h)
         self.m.count["branch_points"] += 1
-        made = 0
-        for _ in range(self.bcfg.beam_size - 1):
-            if budget.remaining == 0:
-                break
-            if not should_branch(self.bcfg, delta_h, rng):
-                continue
-            if budget.reserve(1) == 0:
-                break
-            made += 1
-            self._fork(t, pos)
-        self.m.count["branches"] += made
+        wants = sum(should_branch(self.bcfg, delta_h, rng) for _ in range(self.bcfg.beam_size - 1))
+        budget = self.budgets[t.group]
+        if wants == 0 or budget.remaining == 0:  # slots are never given back: 0 now is 0 in any order
+            return
+        decision = _Decision(t, t.n_calls, pos, wants, copy.deepcopy([c for c in t.tool_calls if c["end"] <= pos]))
+        if budget.remaining - self._forks_bound(t.group, exclude=t) >= wants:
+            self._grant(decision)
+        else:
+            self.pending[t.group].append(decision)
+            self.m.count["decisions_waited"] += 1
+
+    def _grant(self, d: _Decision) -> None:
+        granted = self.budgets[d.traj.group].reserve(d.wants)
+        for _ in range(granted):
+            self._fork(d.traj, d.pos, records=d.records)
+        self.m.count["branches"] += granted
+
+    def _next_decision_depth(self, t: _Traj) -> int | None:
+        """Tool-call depth of the next decision ``t`` can still take (None: none)."""
+        if t.kind == "fill" or t.speculative or t.phase == "done" or not self.cfg.branching_enabled:
+            return None
+        if t.phase == "probe":  # timing paper: the decision at the current result is still to come
+            return t.n_calls
+        return t.n_calls + 1 if t.n_calls < self.cfg.tool_call_limit else None
+
+    def _resolve_pending(self, g: int) -> None:
+        """Grant the group's waiting decisions in the fixed order, each as soon as no decision before it in
+        that order can still appear (every other trajectory has passed its depth, or finished)."""
+        pending = self.pending[g]
+        while pending:
+            first = min(pending, key=lambda d: (d.depth, self._canonical(d.traj)))
+            place = (first.depth, self._canonical(first.traj))
+            for t in self.by_group[g]:
+                depth = self._next_decision_depth(t)
+                if depth is not None and (depth, self._canonical(t)) < place:
+                    return
+            pending.remove(first)
+            self._grant(first)
 
     def _finish(self, t: _Traj, reason: str) -> None:
         t.phase, t.finish_reason = "done", reason
@@ -710,32 +883,47 @@ class _RolloutCall:
         if self.progress is not None:
             self.progress.update(1)
 
+    def _subtree_bound(self, decisions_left: int) -> int:
+        """Most forks a trajectory with ``decisions_left`` decisions to come, and the forks it may spawn, can
+        take (each decision asks for at most ``beam_size - 1`` forks; a fork inherits the decisions left)."""
+        b, cap = self.bcfg.beam_size - 1, self.cfg.n
+        forks = [0] * (decisions_left + 1)
+        for r in range(1, decisions_left + 1):
+            forks[r] = min(cap, sum(b * (1 + forks[r - i]) for i in range(1, r + 1)))
+        return forks[decisions_left]
+
     def _max_future_forks(self, t: _Traj) -> int:
-        """Most forks ``t`` and the forks it may still spawn can ever take (each executed tool call is one
-        decision of at most ``beam_size - 1`` forks; a fork made at a call inherits the calls left after it)."""
+        """Most forks ``t`` and the forks it may still spawn can ever take."""
         if t.kind == "fill" or not self.cfg.branching_enabled:
             return 0
         left = max(0, self.cfg.tool_call_limit - t.n_calls)
-        pending = t.phase == "probe"  # timing paper: a decision at the current result is still to come
-        b = self.bcfg.beam_size - 1
-        cap = self.cfg.n
-        forks = [0] * (left + 1)  # forks[r]: bound for a trajectory with r decisions left
-        for r in range(1, left + 1):
-            forks[r] = min(cap, sum(b * (1 + forks[r - i]) for i in range(1, r + 1)))
-        return min(cap, forks[left] + (b * (1 + forks[left]) if pending else 0))
+        if t.phase == "probe":  # timing paper: a decision at the current result is still to come
+            left += 1
+        return min(self.cfg.n, self._subtree_bound(left))
 
-    def _fill(self) -> None:
+    def _forks_bound(self, g: int, exclude: _Traj | None = None) -> int:
+        """Most slots the group's decisions still to come (of every active trajectory but ``exclude``) and its
+        waiting decisions (with the forks they would make) can take."""
+        bound = sum(self._max_future_forks(t) for t in self.by_group[g]
+                    if t is not exclude and t.phase != "done" and not t.speculative)
+        for d in self.pending[g]:
+            bound += d.wants * (1 + self._subtree_bound(max(0, self.cfg.tool_call_limit - d.depth)))
+        return bound
+
+    def _fill(self, groups: Iterable[int]) -> None:
         """Give groups their missing trajectories. Fresh fills start as soon as the budget left exceeds what
         branching could still take (so they need not wait for the group to finish; fill roots never branch,
         so every branching decision sees the same budget as with filling at the end). Duplicates need the
         group's last trajectory, so they wait until the group has finished."""
-        for g, group in enumerate(self.by_group):
+        for g in groups:
+            self._resolve_pending(g)
+            group = self.by_group[g]
             budget = self.budgets[g]
             if budget.remaining == 0 and not any(t.speculative for t in group):
                 continue
             active = [t for t in group if t.phase != "done" and not t.speculative]
             if self.cfg.fill == "fresh":
-                surplus = budget.remaining - sum(self._max_future_forks(t) for t in active)
+                surplus = budget.remaining - self._forks_bound(g)
                 granted = budget.reserve(surplus) if surplus > 0 else 0
                 spec = [t for t in group if t.speculative]
                 for t in spec[:granted]:  # confirm speculative fills first: they are ahead
@@ -751,9 +939,9 @@ class _RolloutCall:
                     t.speculative, t.discarded, t.phase = False, True, "done"
                     self.m.count["fill_discarded"] += 1
                     self.m.count["tokens_discarded"] += sum(t.response_mask)
-            elif not active:
+            elif not active and not self.pending[g]:
                 granted = budget.reserve(budget.remaining)
-                last = group[-1]
+                last = max((t for t in group if not t.discarded), key=self._canonical)
                 for _ in range(granted):
                     dup = self._fork(last, len(last.response_ids), kind="duplicate")
                     dup.phase, dup.finish_reason = "done", last.finish_reason
@@ -763,7 +951,10 @@ class _RolloutCall:
 
     # ---- output -------------------------------------------------------------------------------------
     def _finalise(self) -> list[Trajectory]:
-        ordered = sorted((t for t in self.trajs if not t.discarded), key=lambda t: (t.group, t.local))
+        # Rows in tree order by identity (initial roots, then fills, each followed by its forks), which does
+        # not depend on the order trajectories were created in; a parent always precedes its children.
+        ordered = sorted((t for t in self.trajs if not t.discarded),
+                         key=lambda t: (t.group,) + self._canonical(t))
         assert all(not t.speculative for t in ordered), "a speculative fill was neither confirmed nor dropped"
 
         index = {t.tid: i for i, t in enumerate(ordered)}
@@ -786,11 +977,11 @@ class _RolloutCall:
             "rollout/trajectories": float(len(self.trajs)),
             "rollout/branches": float(c["branches"]),
             "rollout/branch_points": float(c["branch_points"]),
+            "rollout/branch_decisions_waited": float(c["decisions_waited"]),
             "rollout/fill_fresh": float(c["fill_fresh"]),
             "rollout/fill_duplicate": float(c["fill_duplicate"]),
             "rollout/fill_discarded": float(c["fill_discarded"]),
             "rollout/tokens/discarded": float(c["tokens_discarded"]),
-            "rollout/rounds": float(c["rounds"]),
             "rollout/requests": float(c["requests"]),
             "rollout/tool_calls/total": float(sum(v for k, v in c.items() if k.startswith("tool_calls/"))),
             "rollout/tool_calls/errors": float(c["tool_errors"]),
@@ -803,13 +994,15 @@ class _RolloutCall:
             "rollout/entropy/before_tool_mean": m.mean("entropy_before_tool"),
             "rollout/entropy/after_tool_mean": m.mean("entropy_after_tool"),
             "rollout/entropy/delta_mean": m.mean("delta_entropy"),
-            "timing_s/rollout_generate": float(m.time["generate"]),
-            "timing_s/rollout_tools": float(m.time["tools"]),
+            "timing_s/rollout_generate": float(m.generate_clock.total),
+            "timing_s/rollout_tools": float(m.tools_clock.total),
             "timing_s/rollout_total": float(m.time["total"]),
         }
         for k, v in c.items():
             if k.startswith("tool_calls/") or k.startswith("finish/"):
                 out[f"rollout/{k}"] = float(v)
+        if self.cfg.schedule == "rounds":
+            out["rollout/rounds"] = float(c["rounds"])
         if c["prompt_tokens"]:
             out["rollout/prefix_cache/hit_rate"] = c["cached_tokens"] / c["prompt_tokens"]
         if c["branch_prompt_tokens"]:

@@ -193,21 +193,84 @@ def test_deterministic_for_a_seed(timing):
     assert a.meta["metrics"]["rollout/branches"] > 0
 
 
-def test_deterministic_whatever_order_requests_complete():
-    class ShuffledLatency(ScriptedEngine):
-        """Answers requests after random delays, so completion order differs run to run."""
+class ShuffledLatency(ScriptedEngine):
+    """Answers requests after random delays, so completion order differs run to run."""
 
-        def __init__(self, order_seed: int):
-            super().__init__()
-            self.order_rng = random.Random(order_seed)
+    def __init__(self, order_seed: int, **kwargs):
+        super().__init__(**kwargs)
+        self.order_rng = random.Random(order_seed)
+
+    async def generate(self, prompt_ids, sampling_params, request_id):
+        await asyncio.sleep(self.order_rng.random() * 0.002)
+        return await super().generate(prompt_ids, sampling_params, request_id)
+
+
+def test_same_batch_whatever_the_schedule_and_the_completion_order():
+    # the budget binds (branching and fills compete for slots), and requests complete in random orders
+    snaps = []
+    for schedule, order in (("rounds", None), ("rounds", 1), ("async", 1), ("async", 2), ("async", None)):
+        engine = ShuffledLatency(order) if order is not None else ScriptedEngine()
+        batch, _, _ = rollout({**BASE, "schedule": schedule}, seed=3, n_prompts=3, engine=engine)
+        m = batch.meta["metrics"]
+        assert m["rollout/fill_fresh"] > 0 and m["rollout/branches"] > 0 and m["rollout/branch_decisions_waited"] > 0
+        snaps.append(snapshot(batch))
+    assert all(s == snaps[0] for s in snaps)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_same_batch_whatever_the_schedule_over_random_configs(seed):
+    cfg, policy, tools, split_tags, n_prompts = random_case(1000 + seed)
+    snaps = []
+    for schedule, order in (("rounds", None), ("async", seed), ("async", seed + 1)):
+        tok = ToyTokenizer(split_tags=split_tags)
+        engine = ShuffledLatency(order, tokenizer=tok, policy=policy) if order is not None else \
+            ScriptedEngine(tok, policy=policy)
+        batch, engine, gen = rollout({**cfg, "schedule": schedule}, policy, n_prompts=n_prompts, seed=seed,
+                                     tools=tools, engine=engine)
+        check_invariants(batch, gen.config, engine.tokenizer, n_prompts)
+        assert engine.in_flight == 0
+        snaps.append(snapshot(batch))
+    assert snaps[1] == snaps[0] and snaps[2] == snaps[0]
+
+
+def test_async_trajectories_do_not_wait_for_a_slow_tool_call():
+    """One tool call takes 0.3 s: under ``async`` the other trajectories keep sending requests meanwhile;
+    under ``rounds`` nobody does until the round's tools are all back."""
+    import threading
+    import time
+
+    slow = {}
+
+    class SlowOnce(FakeSearch):
+        lock = threading.Lock()
+
+        def call_text(self, content):
+            with self.lock:
+                first = not slow
+                if first:
+                    slow["start"] = time.monotonic()
+            if first:
+                time.sleep(0.3)
+                slow["end"] = time.monotonic()
+            return super().call_text(content)
+
+    class StartTimes(ScriptedEngine):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.starts = []
 
         async def generate(self, prompt_ids, sampling_params, request_id):
-            await asyncio.sleep(self.order_rng.random() * 0.002)
+            self.starts.append(time.monotonic())
             return await super().generate(prompt_ids, sampling_params, request_id)
 
-    a, _, _ = rollout(BASE, seed=5, engine=ShuffledLatency(1))
-    b, _, _ = rollout(BASE, seed=5, engine=ShuffledLatency(2))
-    assert snapshot(a) == snapshot(b)
+    for schedule, expect_overlap in (("async", True), ("rounds", False)):
+        slow.clear()
+        engine = StartTimes(policy=CALLER, latency_s=0.001)
+        batch, _, gen = rollout({**BASE, "n": 6, "initial_rollouts": 3, "schedule": schedule}, CALLER,
+                                engine=engine, tools=[SlowOnce(), FakePython()], n_prompts=2)
+        check_invariants(batch, gen.config, engine.tokenizer, 2)
+        during = [t for t in engine.starts if slow["start"] < t < slow["end"]]
+        assert bool(during) is expect_overlap, (schedule, len(during))
 
 
 def test_entropy_state_does_not_leak_between_calls():
@@ -454,9 +517,10 @@ def test_paper_probe_boundary_inside_a_multi_token_stop_string():
     assert probe.output_len == k and probe.finish_reason == "length"
 
 
-def test_speculative_fill_confirms_or_drops_without_changing_decisions():
+@pytest.mark.parametrize("schedule", ["rounds", "async"])
+def test_speculative_fill_confirms_or_drops_without_changing_decisions(schedule):
     base = dict(n=8, initial_rollouts=2, beam_size=2, max_response_length=300, tool_call_limit=2,
-                return_entropy=True)
+                return_entropy=True, schedule=schedule)
     # no branching: every speculative fill is needed, and the group needs fewer rounds
     never = {**base, "branch_probability": 0.0, "entropy_weight": 0.0}
     plain, _, _ = rollout(never, seed=2)
@@ -464,7 +528,8 @@ def test_speculative_fill_confirms_or_drops_without_changing_decisions():
     check_invariants(spec, gen.config, engine.tokenizer, 2)
     ms = spec.meta["metrics"]
     assert ms["rollout/fill_fresh"] == 12 and ms["rollout/fill_discarded"] == 0
-    assert ms["rollout/rounds"] < plain.meta["metrics"]["rollout/rounds"]
+    if schedule == "rounds":
+        assert ms["rollout/rounds"] < plain.meta["metrics"]["rollout/rounds"]
     assert engine.max_in_flight == 2 * 8  # fills ran alongside the initial rollouts
     # always branch: branching takes the slots, speculative fills are dropped; decisions are unchanged
     always = {**base, "branch_probability": 1.0}
