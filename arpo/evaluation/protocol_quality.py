@@ -14,6 +14,7 @@ Prints one JSON object: ``per_kind`` ({kind: {n, format, acc}}), ``overall``, th
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -49,10 +50,18 @@ def measure_protocol_quality(model_dir: str | Path, data_dir: str | Path, *, spl
     rollout = ARPORollout(engine, tok, {"mode": "single", "n": 1, "initial_rollouts": 1,
                                         "max_response_length": max_response_length, "temperature": temperature,
                                         "tool_call_limit": tool_call_limit, "seed": seed}, tools)
+    prompts = [tok.apply_chat_template(list(p), add_generation_prompt=True, tokenize=True)["input_ids"]
+               for p in df.prompt]
+
+    async def sample() -> Any:
+        # the engine shuts down inside the loop it served on: its output handler then stops cleanly
+        try:
+            return await rollout.agenerate(prompts)
+        finally:
+            engine.shutdown()
+
     try:
-        prompts = [tok.apply_chat_template(list(p), add_generation_prompt=True, tokenize=True)["input_ids"]
-                   for p in df.prompt]
-        batch = rollout.generate(prompts)
+        batch = asyncio.run(sample())
     finally:
         rollout.close()
         tools.close()

@@ -422,8 +422,11 @@ class _RolloutCall:
             stop_token_ids=tuple(cfg.stop_token_ids),
             logprobs=cfg.topk_logprobs if want_logprobs else None,
         )
+        self.want_logprobs = want_logprobs
         #: branching needs logprobs on each segment's entropy window only (see _request)
         self.window_logprobs_only = want_logprobs and not cfg.return_entropy
+        #: the stop strings as token ids, when each is one token of the vocabulary (see _request)
+        self.stop_ids = self._stop_strings_as_token_ids()
         self.trajs: list[_Traj] = []
         self.by_group: list[list[_Traj]] = [[] for _ in prompts]
         self.budgets = [GroupBudget(cfg.n) for _ in prompts]
@@ -595,18 +598,36 @@ class _RolloutCall:
             self.task_errors.append(task.exception())
         self.task_event.set()
 
+    def _stop_strings_as_token_ids(self) -> tuple[int, ...] | None:
+        ids = []
+        for stop in self.base_params.stop:
+            enc = self.tok.encode(stop, add_special_tokens=False)
+            if len(enc) != 1 or self.tok.decode(enc) != stop:
+                return None
+            ids.append(int(enc[0]))
+        return tuple(dict.fromkeys(tuple(self.base_params.stop_token_ids) + tuple(ids)))
+
     async def _request(self, t: _Traj) -> GenerationOutput:
-        """One engine call for ``t``. Entropy needs top-k logprobs only on a segment's first ``entropy_window``
-        tokens, and asking for them on every token costs ~1.6x the generation time; so a fresh segment is
-        generated as a window request (logprobs, no detokenisation: stop strings are found here) followed at
-        once by a continuation without logprobs (same coroutine: no extra round), unless ``return_entropy``
-        wants them all. The two are returned as one output whose ``logprobs`` cover the window only."""
+        """One engine call for ``t``.
+
+        Most of what top-k logprobs cost vLLM is detokenising the k candidates of every token; without
+        detokenisation they cost about nothing, but the engine then cannot match stop strings. So: when every
+        stop string (the tools' close tags) is a single token of the vocabulary, as the ARPO tags are in the
+        tiny model's, every request runs without detokenisation and stops on those token ids, with logprobs
+        on every token — one request per segment. Otherwise entropy needs logprobs only on a segment's first
+        ``entropy_window`` tokens, so a fresh segment is generated as a window request (logprobs, no
+        detokenisation: stop strings are found here) followed at once by a continuation without logprobs
+        (same coroutine), unless ``return_entropy`` wants them all; the two are returned as one output whose
+        ``logprobs`` cover the window only."""
         room = self.cfg.max_response_length - len(t.response_ids)
         window = self.bcfg.window
+        if self.stop_ids is not None:
+            return await self._undetokenized_call(t, min(room, window) if t.phase == "probe" else room,
+                                                  logprobs=self.want_logprobs)
         split = (self.window_logprobs_only and t.phase == "generate" and len(t.response_ids) == t.seg_start
                  and room > window)
         if t.phase == "probe" or split:
-            first = await self._window_call(t, min(room, window))
+            first = await self._undetokenized_call(t, min(room, window), logprobs=True)
         else:
             wants = len(t.response_ids) == t.seg_start or not self.window_logprobs_only
             return await self._engine_call(t, room, logprobs=wants)
@@ -619,11 +640,12 @@ class _RolloutCall:
                                 stop_reason=stop_reason, logprobs=first.logprobs,
                                 num_cached_tokens=first.num_cached_tokens)
 
-    async def _window_call(self, t: _Traj, max_tokens: int) -> GenerationOutput:
-        """At most ``max_tokens`` tokens with logprobs and without detokenisation (vLLM then skips decoding
-        the k candidates of every token); the engine cannot see stop strings, so the first one is cut here,
-        where the engine would have stopped (tokens sampled after it are dropped, never used)."""
-        out = await self._engine_call(t, max_tokens, logprobs=True, detokenize=False)
+    async def _undetokenized_call(self, t: _Traj, max_tokens: int, logprobs: bool) -> GenerationOutput:
+        """At most ``max_tokens`` tokens without detokenisation (vLLM then skips decoding the k logprob
+        candidates of every token). The engine cannot see stop strings, only their token ids when
+        ``stop_ids`` has them; a stop string spelt another way is cut here, where an engine matching strings
+        would have stopped (tokens sampled after it are dropped, never used)."""
+        out = await self._engine_call(t, max_tokens, logprobs=logprobs, detokenize=False)
         ids, lps, finish, stop_reason = self._cut_at_stop(
             [], list(out.token_ids), list(out.logprobs or []), out.finish_reason, out.stop_reason)
         return dataclasses.replace(out, token_ids=ids, logprobs=lps if out.logprobs is not None else None,
@@ -635,7 +657,7 @@ class _RolloutCall:
                                         seed=derive_seed(self.seed, t.group, t.key, t.n_requests),
                                         logprobs=self.base_params.logprobs if logprobs else None)
         if not detokenize:
-            params = params.with_(stop=(), detokenize=False)
+            params = params.with_(stop=(), detokenize=False, stop_token_ids=self.stop_ids or params.stop_token_ids)
         request_id = f"arpo-{self.nonce}-g{t.group}-t{t.local}-r{t.n_requests}"
         first_of_branch = t.kind == "branch" and t.n_requests == 0
         t.n_requests += 1
@@ -665,7 +687,9 @@ class _RolloutCall:
         first_piece = len(t.response_ids) == t.seg_start
         root_start = not t.response_ids and t.kind in ("initial", "fill")
         t.started = True
-        entropy = [token_entropy(lp) / self.log_v for lp in lps] + [math.nan] * (len(ids) - len(lps))
+        # per-token entropy is an output only with return_entropy; decisions use the window's logprobs
+        scored = lps if self.cfg.return_entropy else []
+        entropy = [token_entropy(lp) / self.log_v for lp in scored] + [math.nan] * (len(ids) - len(scored))
         t.append(ids, model=True, entropy=entropy)
         t.seg_logprobs.extend(lps[: max(0, self.bcfg.window - len(t.seg_logprobs))])
         self.m.count["tokens_generated"] += len(ids)

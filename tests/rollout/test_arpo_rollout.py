@@ -167,7 +167,12 @@ def test_invariants_over_random_configs(seed):
     check_invariants(batch, gen.config, engine.tokenizer, n_prompts)
     # all initial trajectories went to the engine at once
     assert engine.max_in_flight >= n_prompts * gen.config.num_initial
-    if gen.config.mode == "arpo" and not gen.config.return_entropy:
+    if not split_tags:
+        # the close tags are single tokens: every request stops on their ids, without detokenisation
+        tag_ids = {engine.tokenizer.encode(c)[0] for c in CLOSE_TAGS}
+        assert all(not q.sampling_params.detokenize and not q.sampling_params.stop
+                   and tag_ids & set(q.sampling_params.stop_token_ids) for q in engine.requests)
+    elif gen.config.mode == "arpo" and not gen.config.return_entropy:
         # entropy needs logprobs on the window only: no request asks for them on more tokens
         assert all(q.sampling_params.max_tokens <= gen.config.entropy_window
                    for q in engine.requests if q.sampling_params.logprobs is not None)
@@ -600,17 +605,23 @@ class RecordingEngine(ScriptedEngine):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_window_logprobs_give_the_entropies_the_decisions_use(reduction):
+@pytest.mark.parametrize("split_tags", [True, False])
+def test_window_logprobs_give_the_entropies_the_decisions_use(reduction, split_tags):
     k = 6
-    engine = RecordingEngine(ToyTokenizer(), policy=ScriptPolicy(call_prob=1.0, call_decay=0.2, think_words=(4, 9)))
+    engine = RecordingEngine(ToyTokenizer(split_tags=split_tags),
+                             policy=ScriptPolicy(call_prob=1.0, call_decay=0.2, think_words=(4, 9)))
     cfg = {"n": 6, "initial_rollouts": 3, "max_response_length": 300, "entropy_window": k, "tool_call_limit": 3,
            "entropy_reduction": reduction, "branch_probability": 0.5}
     batch, _, gen = rollout(cfg, engine=engine, n_prompts=2)
     check_invariants(batch, gen.config, engine.tokenizer, 2)
     with_lp = [(p, o) for p, sp, o in engine.calls if sp.logprobs is not None]
     without = [(p, o) for p, sp, o in engine.calls if sp.logprobs is None]
-    assert with_lp and without, "segments longer than the window continue without logprobs"
-    assert all(len(o.token_ids) <= k for _, o in with_lp)
+    if split_tags:
+        assert with_lp and without, "segments longer than the window continue without logprobs"
+        assert all(len(o.token_ids) <= k for _, o in with_lp)
+    else:  # tags are single tokens: one undetokenised request per segment, logprobs on every token
+        assert not without and any(len(o.token_ids) > k for _, o in with_lp)
+        assert all(not sp.detokenize for _, sp, _ in engine.calls)
     # the request that opened a segment carried the logprobs its window entropy came from
     p_len = batch["prompts"].shape[1]
     log_v = math.log(len(engine.tokenizer))
