@@ -17,7 +17,8 @@ generation vs tools; and ``arpo_over_single_wall`` (the goal: at most 1.1), also
 one repeat, which a machine whose speed drifts between runs disturbs less. ``single_logprobs`` is the plain rollout asking for top-k logprobs on every
 token, and ``arpo_all_logprobs`` ARPO doing the same (``return_entropy``): together they show what limiting
 logprobs to the entropy windows saves. ``arpo_rounds`` and ``single_rounds`` run ``schedule: rounds`` (all
-trajectories step together) against the ``--schedule`` of the others (default ``async``). ``--modes`` picks a subset. The prefix cache is reset before
+trajectories step together) against the ``--schedule`` of the others (default ``async``);
+``arpo_first_come`` grants branch slots first come, first served instead of in a fixed order. ``--modes`` picks a subset. The prefix cache is reset before
 every run so no run inherits another's cache.
 """
 
@@ -119,6 +120,9 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         # ARPO asking for logprobs on every token (return_entropy): what the window-only requests save
         "arpo_all_logprobs": ARPORolloutConfig(mode="arpo", initial_rollouts=args.initial, timing=args.timing,
                                                return_entropy=True, **common),
+        # slots to whichever decision comes first: what ordered grants (same batch whatever the timing) cost
+        "arpo_first_come": ARPORolloutConfig(mode="arpo", initial_rollouts=args.initial, timing=args.timing,
+                                             branch_grant="first_come", **common),
         # the round-synchronous loop (released code's; exact replay): what the per-trajectory tasks save
         "arpo_rounds": ARPORolloutConfig(mode="arpo", initial_rollouts=args.initial, timing=args.timing, **rounds),
         "single": ARPORolloutConfig(mode="single", **common),

@@ -53,12 +53,12 @@ error text result and count toward the limit.
 
 Determinism. Engine requests carry seeds derived from (call seed, group, trajectory, request number), and
 each branching decision draws from its own generator seeded by (call seed, group, trajectory, call number),
-so no draw depends on the order requests complete in. Under ``schedule: rounds`` decisions also take budget
-slots in a fixed order, so a deterministic engine gives identical batches for identical seeds whatever order
-requests complete in. Under ``schedule: async`` slots go in completion order: batches are identical as long
-as no group's budget runs out while two of its forks race for the last slots; otherwise which fork gets a
-slot depends on timing (every invariant still holds). A call without an explicit seed uses ``seed`` mixed
-with the call count, so a fresh generator replays the same sequence of batches.
+so no draw depends on the order requests complete in. With ``branch_grant: ordered`` (default) budget slots
+also go to decisions in a fixed order (see ``_RolloutCall._branch``), so a deterministic engine gives the
+same batch for a seed under either schedule, whatever order requests and tool calls complete in.
+``first_come`` grants slots as decisions arrive: replayable under ``schedule: rounds`` (decisions are taken
+in a fixed order there), timing-dependent under ``async``. A call without an explicit seed uses ``seed``
+mixed with the call count, so a fresh generator replays the same sequence of batches.
 
 ``mode: single`` is plain GRPO sampling with the same tools and loop (``n`` independent roots, no
 branching) for baselines and benchmarks; it requests logprobs only when ``return_entropy`` is set.
@@ -92,6 +92,7 @@ CONFIG_PREFIX = "actor_rollout_ref.rollout.arpo"
 MODES = ("arpo", "single")
 FILLS = ("fresh", "duplicate")
 SCHEDULES = ("async", "rounds")
+GRANTS = ("ordered", "first_come")
 
 
 @dataclass
@@ -100,6 +101,7 @@ class ARPORolloutConfig:
 
     mode: str = "arpo"
     schedule: str = "async"
+    branch_grant: str = "ordered"
     n: int = 16
     initial_rollouts: int = 8
     beam_size: int = 2
@@ -161,6 +163,7 @@ class ARPORolloutConfig:
 
         need(self.mode in MODES, f"{p}.mode={self.mode!r}: use one of {MODES}")
         need(self.schedule in SCHEDULES, f"{p}.schedule={self.schedule!r}: use one of {SCHEDULES}")
+        need(self.branch_grant in GRANTS, f"{p}.branch_grant={self.branch_grant!r}: use one of {GRANTS}")
         need(isinstance(self.n, int) and self.n >= 1, f"{p}.n={self.n!r}: the per-prompt budget M must be >= 1")
         need(isinstance(self.initial_rollouts, int) and self.initial_rollouts >= 1,
              f"{p}.initial_rollouts={self.initial_rollouts!r}: must be >= 1")
@@ -847,13 +850,14 @@ class _RolloutCall:
         """One branching decision: ``beam_size - 1`` draws of the rule, from a generator seeded by the
         trajectory's identity and call number, so no draw depends on the order decisions happen in.
 
-        Slots go to decisions in a fixed order — by tool-call depth, then the trajectory's place in the group
-        (:meth:`_canonical`), each taking what it asks for while slots last — whatever the order they are
-        taken in, so both schedules give the same batch for a seed. A decision gets its forks at once when
-        the slots left cover everything any other decision could still ask for (then the order cannot
-        matter); otherwise it waits in ``pending`` until every decision before it in that order is known
-        (:meth:`_resolve_pending`). The parent never waits: it goes on generating, and the forks copy its
-        tokens up to ``pos`` when they are granted."""
+        ``branch_grant: ordered``: slots go to decisions in a fixed order — by tool-call depth, then the
+        trajectory's place in the group (:meth:`_canonical`), each taking what it asks for while slots last —
+        whatever the order they are taken in, so both schedules give the same batch for a seed. A decision
+        gets its forks at once when the slots left cover everything any other decision could still ask for
+        (then the order cannot matter); otherwise it waits in ``pending`` until every decision before it in
+        that order is known (:meth:`_resolve_pending`). The parent never waits: it goes on generating, and the
+        forks copy its tokens up to ``pos`` when they are granted. ``first_come``: every decision takes its
+        slots at once (the released code; under ``schedule: async`` the batch then depends on timing)."""
         rng = random.Random(derive_seed(self.seed, "branch", t.group, t.key, t.n_calls))
         record["delta_entropy"] = delta_h
         self.m.values["delta_entropy"].append(delta_h)
@@ -863,7 +867,7 @@ class _RolloutCall:
         if wants == 0 or budget.remaining == 0:  # slots are never given back: 0 now is 0 in any order
             return
         decision = _Decision(t, t.n_calls, pos, wants, copy.deepcopy([c for c in t.tool_calls if c["end"] <= pos]))
-        if budget.remaining - self._forks_bound(t.group, exclude=t) >= wants:
+        if self.cfg.branch_grant == "first_come" or budget.remaining - self._forks_bound(t.group, exclude=t) >= wants:
             self._grant(decision)
         else:
             self.pending[t.group].append(decision)

@@ -150,7 +150,8 @@ def random_case(seed: int):
         initial_entropy_scope=r.choice(["trajectory", "group"]), tool_call_limit=r.choice([0, 1, 3, 6]),
         max_response_length=r.choice([30, 120, 400]), fill=r.choice(["fresh", "duplicate"]),
         return_entropy=r.random() < 0.7,
-        tool_retries=r.choice([0, 1]),
+        tool_retries=r.choice([0, 1]), schedule=r.choice(["async", "rounds"]),
+        branch_grant=r.choice(["ordered", "first_come"]),
     )
     if cfg["fill"] == "fresh":
         cfg["speculative_fill"] = r.choice([0, 0, 1, 4])
@@ -230,12 +231,24 @@ def test_same_batch_whatever_the_schedule_over_random_configs(seed):
         tok = ToyTokenizer(split_tags=split_tags)
         engine = ShuffledLatency(order, tokenizer=tok, policy=policy) if order is not None else \
             ScriptedEngine(tok, policy=policy)
-        batch, engine, gen = rollout({**cfg, "schedule": schedule}, policy, n_prompts=n_prompts, seed=seed,
-                                     tools=tools, engine=engine)
+        batch, engine, gen = rollout({**cfg, "schedule": schedule, "branch_grant": "ordered"}, policy,
+                                     n_prompts=n_prompts, seed=seed, tools=tools, engine=engine)
         check_invariants(batch, gen.config, engine.tokenizer, n_prompts)
         assert engine.in_flight == 0
         snaps.append(snapshot(batch))
     assert snaps[1] == snaps[0] and snaps[2] == snaps[0]
+
+
+def test_first_come_grants_at_once_and_replays_under_rounds():
+    cfg = {**BASE, "branch_grant": "first_come"}
+    a, _, _ = rollout({**cfg, "schedule": "rounds"}, seed=3, n_prompts=3, engine=ShuffledLatency(1))
+    b, _, _ = rollout({**cfg, "schedule": "rounds"}, seed=3, n_prompts=3, engine=ShuffledLatency(2))
+    assert snapshot(a) == snapshot(b)
+    c, engine, gen = rollout({**cfg, "schedule": "async"}, seed=3, n_prompts=3, engine=ShuffledLatency(3))
+    check_invariants(c, gen.config, engine.tokenizer, 3)
+    for batch in (a, c):
+        m = batch.meta["metrics"]
+        assert m["rollout/branch_decisions_waited"] == 0 and m["rollout/branches"] > 0
 
 
 def test_async_trajectories_do_not_wait_for_a_slow_tool_call():
