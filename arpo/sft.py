@@ -54,8 +54,14 @@ def _guess(rng: random.Random, answer: str) -> str:
 
 
 def build_demonstration(question: str, answer: str, plan: list[dict], tools: Mapping[str, BaseTool],
-                        rng: random.Random, skip_tool_prob: float, wrong_tool_prob: float) -> tuple[list[Segment], str]:
-    """Turn a gold plan into protocol text with real tool results. Returns (segments, demo kind)."""
+                        rng: random.Random, skip_tool_prob: float, wrong_tool_prob: float,
+                        verbose_think: bool = False) -> tuple[list[Segment], str]:
+    """Turn a gold plan into protocol text with real tool results. Returns (segments, demo kind).
+
+    ``verbose_think``: each ``<think>`` restates the query it is about to run and the fact the last result gave
+    (free text copied from the question/results). Off: short fixed thoughts ("I will search."), so the only
+    free text the model writes is the tool call and the boxed answer -- fewer tokens per demonstration and
+    fewer high-entropy spans where sampling can drift into a stray tag."""
     draw = rng.random()
     if draw < skip_tool_prob:
         mode = "skip"
@@ -64,7 +70,8 @@ def build_demonstration(question: str, answer: str, plan: list[dict], tools: Map
     else:
         mode = "gold"
     segs: list[Segment] = []
-    thought = "I need to answer the question."
+    thought = "I need to answer the question." if verbose_think else ("I will search." if plan[0]["tool"] == "python"
+                                                                     else "I will compute this with python.")
     if mode == "wrong_tool":
         wrong = "python" if plan[0]["tool"] == "search" else "search"
         content = f"print({json.dumps(question)})" if wrong == "python" else question
@@ -75,13 +82,19 @@ def build_demonstration(question: str, answer: str, plan: list[dict], tools: Map
     steps = plan if mode == "gold" else plan[:-1]
     prefix = ""
     for i, step in enumerate(steps):
-        intent = f"I need the {step['content']}." if step["tool"] == "search" else "I will compute this with python."
+        if verbose_think:
+            intent = f"I need the {step['content']}." if step["tool"] == "search" else "I will compute this with python."
+        else:
+            intent = "I will search." if step["tool"] == "search" else "I will compute this with python."
         think = f"<think> {prefix}{intent} </think>"
         segs.append(_call(think if i == 0 else f" {think}", step["tool"], step["content"], tools))
         segs.append(_result(step["tool"], step["content"], tools))
-        prefix = step["finding"] + " "
+        prefix = step["finding"] + " " if verbose_think else ""
     final = answer if mode == "gold" else _guess(rng, answer)
-    closing = prefix.strip() if mode == "gold" else (prefix + "I will guess the rest.").strip()
+    if verbose_think:
+        closing = prefix.strip() if mode == "gold" else (prefix + "I will guess the rest.").strip()
+    else:
+        closing = "I have the answer." if mode == "gold" else "I will guess the rest."
     lead = " " if steps else ""
     segs.append(Segment(f"{lead}<think> {closing} </think> <answer> The final answer is \\boxed{{ {final} }} </answer>", True))
     return segs, mode
@@ -115,7 +128,7 @@ def tokenize_demonstration(tokenizer, messages: list[dict], segments: Sequence[S
 
 def build_sft_dataset(df: pd.DataFrame, tokenizer, tools: Mapping[str, BaseTool], seed: int,
                       skip_tool_prob: float, wrong_tool_prob: float, max_length: int,
-                      num_workers: int = 8) -> tuple[list, dict[str, int]]:
+                      num_workers: int = 8, verbose_think: bool = False) -> tuple[list, dict[str, int]]:
     """Demonstrations for every row, tools run concurrently (each call is a subprocess or an index lookup)."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -125,7 +138,7 @@ def build_sft_dataset(df: pd.DataFrame, tokenizer, tools: Mapping[str, BaseTool]
         rng = random.Random(f"{seed}-{i}")
         plan = json.loads(row.extra_info["plan"])
         segs, mode = build_demonstration(row.extra_info["question"], str(row.reward_model["ground_truth"]),
-                                         plan, tools, rng, skip_tool_prob, wrong_tool_prob)
+                                         plan, tools, rng, skip_tool_prob, wrong_tool_prob, verbose_think)
         return tokenize_demonstration(tokenizer, list(row.prompt), segs), mode
 
     examples, modes = [], {"gold": 0, "skip": 0, "wrong_tool": 0, "too_long": 0}
@@ -238,6 +251,9 @@ def train_sft(model, examples: list, *, epochs: int, batch_size: int, lr: float,
             losses.append(loss.item())
             bar.update(1)
             bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}", lr=f"{sched.get_last_lr()[0]:.2e}")
+            if step % 100 == 0:
+                logger.info("sft step %d/%d loss %.3f lr %.2e %.3f s/step", step, total, np.mean(losses[-20:]),
+                            sched.get_last_lr()[0], (time.time() - start) / step)
             if step >= total:
                 break
             if (time.time() - start) / 60 > max_minutes:
@@ -277,7 +293,8 @@ def run_sft(cfg) -> Path:
         df = df.iloc[: s.max_samples]
     try:
         examples, modes = build_sft_dataset(df, tokenizer, tools, s.seed, s.demo.skip_tool_prob,
-                                            s.demo.wrong_tool_prob, s.max_length, s.tool_workers)
+                                            s.demo.wrong_tool_prob, s.max_length, s.tool_workers,
+                                            s.demo.verbose_think)
     finally:
         for tool in tools.values():
             tool.close()

@@ -43,9 +43,19 @@ def test_gold_demonstration_runs_every_planned_call_in_order():
     assert mode == "gold"
     assert tools["search"].calls == ["Trivex founded"] and tools["python"].calls == ["print(2024 - 1987)"]
     text = "".join(s.text for s in segs)
-    assert text.startswith("<think> I need the Trivex founded. </think> <search> Trivex founded </search> <result>\n")
-    assert text.endswith("<answer> The final answer is \\boxed{ 37 } </answer>")
+    assert text.startswith("<think> I will search. </think> <search> Trivex founded </search> <result>\n")
+    assert "</result> <think> I will compute this with python. </think> <python> print(2024 - 1987) </python>" in text
+    assert text.endswith("<think> I have the answer. </think> <answer> The final answer is \\boxed{ 37 } </answer>")
     assert [s.is_model for s in segs] == [True, False, True, False, True]
+
+
+def test_verbose_think_restates_queries_and_findings():
+    segs, mode = build_demonstration("How many years?", "37", PLAN, _tools(), random.Random(0), 0.0, 0.0,
+                                     verbose_think=True)
+    text = "".join(s.text for s in segs)
+    assert text.startswith("<think> I need the Trivex founded. </think> <search> Trivex founded </search> <result>\n")
+    assert "<think> Trivex was founded in 1987. I will compute this with python. </think>" in text
+    assert text.endswith("<think> 2024 - 1987 = 37. </think> <answer> The final answer is \\boxed{ 37 } </answer>")
 
 
 def test_skip_demonstration_omits_the_last_call_and_guesses_wrong():
