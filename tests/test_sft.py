@@ -70,7 +70,10 @@ def test_wrong_tool_demonstration_calls_the_other_tool():
     tools = _tools()
     segs, mode = build_demonstration("How many years?", "37", PLAN, tools, random.Random(0), 0.0, 1.0)
     assert mode == "wrong_tool"
-    assert len(tools["python"].calls) == 1 and tools["search"].calls == []
+    assert tools["python"].calls == ['print("Trivex founded")'] and tools["search"].calls == []
+    tools = _tools()
+    build_demonstration("What is 2024 - 1987?", "37", PLAN[1:], tools, random.Random(0), 0.0, 1.0)
+    assert tools["search"].calls == ["2024 - 1987"] and tools["python"].calls == []
 
 
 def test_loss_mask_is_zero_exactly_on_prompt_and_tool_results(tiny_model_dir):
@@ -168,3 +171,58 @@ def test_shared_prompt_prefix_gives_the_same_loss_and_gradients():
     assert torch.allclose(plain, shared, atol=1e-6)
     for g, p in zip(plain_grads, model.parameters()):
         assert torch.allclose(g, p.grad, atol=1e-6)
+
+
+def test_streamed_first_epoch_trains_on_every_demonstration_then_reuses_them():
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from arpo.sft import DemonstrationStream, train_sft
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    system = [5, 6, 7, 8]
+    demos = []
+    for i in range(26):
+        ids = system + [10 + i % 7] + [20 + (i + j) % 30 for j in range(3 + i % 5)]
+        demos.append(((ids, [0] * 5 + [1] * (len(ids) - 5)), "gold"))
+    demos.append((([1] * 50, [0] * 49 + [1]), "skip"))  # too long: dropped and counted
+    seen = []
+
+    def produce():
+        for d in demos:
+            seen.append(d)
+            yield d
+
+    stream = DemonstrationStream(produce(), max_length=40)
+    summary = train_sft(model, stream, epochs=2, batch_size=4, lr=1e-3, warmup_ratio=0.1, weight_decay=0.0,
+                        grad_clip=1.0, seed=0, max_minutes=5, pad_id=0, num_examples=len(demos))
+    assert len(seen) == len(demos) and stream.done
+    assert stream.modes == {"gold": 26, "skip": 0, "wrong_tool": 0, "too_long": 1}
+    assert len(stream.examples) == 26
+    # 26 kept rows: 6 full batches per epoch (the partial one dropped); the schedule planned 27 // 4 * 2 = 12
+    assert summary["steps"] == 12 and summary["planned_steps"] == 12
+    assert summary["mean_shared_prefix"] >= len(system) - 1
+
+
+def test_stream_stops_pulling_demonstrations_when_max_steps_is_reached():
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from arpo.sft import DemonstrationStream, train_sft
+
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    pulled = []
+
+    def produce():
+        for i in range(1000):
+            pulled.append(i)
+            yield ([1, 2, 3, 4 + i % 9, 5], [0, 0, 1, 1, 1]), "gold"
+
+    summary = train_sft(model, DemonstrationStream(produce(), max_length=40), epochs=1, batch_size=2, lr=1e-3,
+                        warmup_ratio=0.1, weight_decay=0.0, grad_clip=1.0, seed=0, max_minutes=5, pad_id=0,
+                        max_steps=3, num_examples=1000)
+    assert summary["steps"] == 3
+    assert len(pulled) <= 2 * 16  # one window of 16 batches, not the whole stream
