@@ -94,11 +94,12 @@ def test_loss_mask_is_zero_exactly_on_prompt_and_tool_results(tiny_model_dir):
     assert tok.decode(result) == segs[1].text
 
 
-# Measured with the default config (tiny_model.vocab_size=600, sft.batch_size=4, max_steps=800; temperature 1.0,
-# 128 test questions): format search 0.88 / both 0.70 / python 0.92 (0.84 overall); accuracy search 0, both 0.025,
-# python 0 -- below the bar (>= 90% format, some accuracy on each kind): the tiny model learns the tag
-# protocol but hardly to copy entities/numbers yet. Thresholds keep a margin below the measurement.
-MIN_FORMAT_RATE = 0.7
+# Measured with the default config (tiny_model defaults, sft.max_steps=900 x batch 4, short thoughts, streamed
+# demonstrations; temperature 1.0, 128 test questions, protocol_quality seeds 0/1/2): format search 0.96/0.87/0.81,
+# both 0.90/0.95/0.95, python 1.00/0.97/0.89 (overall 0.95/0.92/0.88, mean 0.92); accuracy 0.008 overall on each
+# seed (one 'both' or 'python' question): the tiny model learns the tag protocol but hardly to copy entities or
+# numbers. The test runs seed 0; thresholds keep a margin below the lowest seed.
+MIN_FORMAT_RATE = 0.85
 MIN_ACCURACY = {"search": 0.0, "python": 0.0, "both": 0.0}
 
 
