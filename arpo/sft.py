@@ -7,7 +7,12 @@ model segments and tool-result segments are tokenised separately and concatenate
 loss is masked on the prompt and on every ``<result>`` segment, exactly as the RL response mask.
 
 Demonstrations are deliberately imperfect (``sft.demo.*``): some skip a needed tool call and guess, some call
-the wrong tool first and guess, so the SFT model follows the format but leaves headroom for RL.
+the wrong tool first and guess, so the SFT model follows the format but leaves headroom for RL. Thoughts are short
+fixed sentences unless ``sft.demo.verbose_think``: the free text the model learns to write is the tool calls and the
+boxed answer, where a tiny model sampling at T=1 is most likely to drift into a stray tag.
+
+The first epoch trains on the demonstrations as the tools produce them (``sft.stream_demos``), so the tool calls
+overlap training instead of preceding it.
 
 Run: ``python -m arpo.sft [sft.epochs=...] [actor_rollout_ref.model.path=...]``.
 """
