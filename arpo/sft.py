@@ -7,7 +7,12 @@ model segments and tool-result segments are tokenised separately and concatenate
 loss is masked on the prompt and on every ``<result>`` segment, exactly as the RL response mask.
 
 Demonstrations are deliberately imperfect (``sft.demo.*``): some skip a needed tool call and guess, some call
-the wrong tool first and guess, so the SFT model follows the format but leaves headroom for RL.
+the wrong tool first and guess, so the SFT model follows the format but leaves headroom for RL. Thoughts are short
+fixed sentences unless ``sft.demo.verbose_think``: the free text the model learns to write is the tool calls and the
+boxed answer, where a tiny model sampling at T=1 is most likely to drift into a stray tag.
+
+The first epoch trains on the demonstrations as the tools produce them (``sft.stream_demos``), so the tool calls
+overlap training instead of preceding it.
 
 Run: ``python -m arpo.sft [sft.epochs=...] [actor_rollout_ref.model.path=...]``.
 """
@@ -21,7 +26,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -54,8 +59,14 @@ def _guess(rng: random.Random, answer: str) -> str:
 
 
 def build_demonstration(question: str, answer: str, plan: list[dict], tools: Mapping[str, BaseTool],
-                        rng: random.Random, skip_tool_prob: float, wrong_tool_prob: float) -> tuple[list[Segment], str]:
-    """Turn a gold plan into protocol text with real tool results. Returns (segments, demo kind)."""
+                        rng: random.Random, skip_tool_prob: float, wrong_tool_prob: float,
+                        verbose_think: bool = False) -> tuple[list[Segment], str]:
+    """Turn a gold plan into protocol text with real tool results. Returns (segments, demo kind).
+
+    ``verbose_think``: each ``<think>`` restates the query it is about to run and the fact the last result gave
+    (free text copied from the question/results). Off: short fixed thoughts ("I will search."), so the only
+    free text the model writes is the tool call and the boxed answer -- fewer tokens per demonstration and
+    fewer high-entropy spans where sampling can drift into a stray tag."""
     draw = rng.random()
     if draw < skip_tool_prob:
         mode = "skip"
@@ -64,10 +75,17 @@ def build_demonstration(question: str, answer: str, plan: list[dict], tools: Map
     else:
         mode = "gold"
     segs: list[Segment] = []
-    thought = "I need to answer the question."
+    thought = "I need to answer the question." if verbose_think else ("I will search." if plan[0]["tool"] == "python"
+                                                                     else "I will compute this with python.")
     if mode == "wrong_tool":
-        wrong = "python" if plan[0]["tool"] == "search" else "search"
-        content = f"print({json.dumps(question)})" if wrong == "python" else question
+        # The first step's own content sent to the other tool (a query printed by python, an expression searched):
+        # a plausible mistake, and no long free text inside a call tag.
+        first = plan[0]["content"]
+        if plan[0]["tool"] == "search":
+            wrong, content = "python", f"print({json.dumps(first)})"
+        else:
+            wrong = "search"
+            content = first[len("print("):-1] if first.startswith("print(") and first.endswith(")") else first
         segs.append(_call(f"<think> {thought} </think>", wrong, content, tools))
         segs.append(_result(wrong, content, tools))
         segs.append(Segment(f" <think> I will guess. </think> <answer> The final answer is \\boxed{{ {_guess(rng, answer)} }} </answer>", True))
@@ -75,13 +93,19 @@ def build_demonstration(question: str, answer: str, plan: list[dict], tools: Map
     steps = plan if mode == "gold" else plan[:-1]
     prefix = ""
     for i, step in enumerate(steps):
-        intent = f"I need the {step['content']}." if step["tool"] == "search" else "I will compute this with python."
+        if verbose_think:
+            intent = f"I need the {step['content']}." if step["tool"] == "search" else "I will compute this with python."
+        else:
+            intent = "I will search." if step["tool"] == "search" else "I will compute this with python."
         think = f"<think> {prefix}{intent} </think>"
         segs.append(_call(think if i == 0 else f" {think}", step["tool"], step["content"], tools))
         segs.append(_result(step["tool"], step["content"], tools))
-        prefix = step["finding"] + " "
+        prefix = step["finding"] + " " if verbose_think else ""
     final = answer if mode == "gold" else _guess(rng, answer)
-    closing = prefix.strip() if mode == "gold" else (prefix + "I will guess the rest.").strip()
+    if verbose_think:
+        closing = prefix.strip() if mode == "gold" else (prefix + "I will guess the rest.").strip()
+    else:
+        closing = "I have the answer." if mode == "gold" else "I will guess the rest."
     lead = " " if steps else ""
     segs.append(Segment(f"{lead}<think> {closing} </think> <answer> The final answer is \\boxed{{ {final} }} </answer>", True))
     return segs, mode
@@ -113,10 +137,11 @@ def tokenize_demonstration(tokenizer, messages: list[dict], segments: Sequence[S
     return ids, mask
 
 
-def build_sft_dataset(df: pd.DataFrame, tokenizer, tools: Mapping[str, BaseTool], seed: int,
-                      skip_tool_prob: float, wrong_tool_prob: float, max_length: int,
-                      num_workers: int = 8) -> tuple[list, dict[str, int]]:
-    """Demonstrations for every row, tools run concurrently (each call is a subprocess or an index lookup)."""
+def iter_demonstrations(df: pd.DataFrame, tokenizer, tools: Mapping[str, BaseTool], seed: int,
+                        skip_tool_prob: float, wrong_tool_prob: float, num_workers: int = 8,
+                        verbose_think: bool = False) -> Iterator[tuple[tuple[list[int], list[int]], str]]:
+    """``((ids, mask), demo kind)`` for every row, in row order, while a thread pool runs the tools ahead (each
+    call is a sandboxed subprocess or an index lookup). Closing the iterator early cancels the calls not started."""
     from concurrent.futures import ThreadPoolExecutor
 
     def one(i_row):
@@ -125,44 +150,105 @@ def build_sft_dataset(df: pd.DataFrame, tokenizer, tools: Mapping[str, BaseTool]
         rng = random.Random(f"{seed}-{i}")
         plan = json.loads(row.extra_info["plan"])
         segs, mode = build_demonstration(row.extra_info["question"], str(row.reward_model["ground_truth"]),
-                                         plan, tools, rng, skip_tool_prob, wrong_tool_prob)
+                                         plan, tools, rng, skip_tool_prob, wrong_tool_prob, verbose_think)
         return tokenize_demonstration(tokenizer, list(row.prompt), segs), mode
 
-    examples, modes = [], {"gold": 0, "skip": 0, "wrong_tool": 0, "too_long": 0}
     with ThreadPoolExecutor(max(1, num_workers)) as pool:
-        results = pool.map(one, enumerate(df.itertuples(index=False)))
-        for (ids, mask), mode in tqdm(results, total=len(df), desc="sft demos", leave=False):
-            if len(ids) > max_length:
-                modes["too_long"] += 1
+        futures = [pool.submit(one, x) for x in enumerate(df.itertuples(index=False))]
+        try:
+            for fut in futures:
+                yield fut.result()
+        finally:
+            for fut in futures:
+                fut.cancel()
+
+
+class DemonstrationStream:
+    """Demonstrations as they are built (row order), longer than ``max_length`` dropped and counted; everything
+    yielded is kept in ``examples`` so later epochs reuse it. Lets training start while the tools still run."""
+
+    def __init__(self, demos: Iterable[tuple[tuple[list[int], list[int]], str]], max_length: int):
+        self._demos = demos
+        self.max_length = max_length
+        self.examples: list[tuple[list[int], list[int]]] = []
+        self.modes = {"gold": 0, "skip": 0, "wrong_tool": 0, "too_long": 0}
+        self.done = False
+        self.seconds = 0.0  # from the first pull to the last demonstration
+
+    def __iter__(self):
+        start = time.time()
+        for (ids, mask), mode in tqdm(self._demos, desc="sft demos", leave=False):
+            if len(ids) > self.max_length:
+                self.modes["too_long"] += 1
                 continue
-            modes[mode] += 1
-            examples.append((ids, mask))
-    return examples, modes
+            self.modes[mode] += 1
+            self.examples.append((ids, mask))
+            yield ids, mask
+        self.done = True
+        self.seconds = time.time() - start
+        logger.info("sft demonstrations built in %.1f s: %s", self.seconds, self.modes)
 
 
-def _batches(examples: list, batch_size: int, rng: np.random.Generator, pad_id: int):
+def build_sft_dataset(df: pd.DataFrame, tokenizer, tools: Mapping[str, BaseTool], seed: int,
+                      skip_tool_prob: float, wrong_tool_prob: float, max_length: int,
+                      num_workers: int = 8, verbose_think: bool = False) -> tuple[list, dict[str, int]]:
+    """Every demonstration up front: (examples, counts per demo kind + ``too_long``)."""
+    stream = DemonstrationStream(iter_demonstrations(df, tokenizer, tools, seed, skip_tool_prob, wrong_tool_prob,
+                                                     num_workers, verbose_think), max_length)
+    for _ in stream:
+        pass
+    return stream.examples, stream.modes
+
+
+def _collate(chunk: Sequence[tuple[list[int], list[int]]], pad_id: int, share_prefix: bool):
+    """Right-padded (input_ids, attention_mask, labels, shared prefix length) for one batch."""
+    length = max(len(ids) for ids, _ in chunk)
+    input_ids = torch.full((len(chunk), length), pad_id, dtype=torch.long)
+    labels = torch.full((len(chunk), length), -100, dtype=torch.long)
+    attn = torch.zeros((len(chunk), length), dtype=torch.long)
+    for i, (ids, mask) in enumerate(chunk):
+        t = torch.tensor(ids)
+        input_ids[i, : len(ids)] = t
+        attn[i, : len(ids)] = 1
+        lab = t.clone()
+        lab[torch.tensor(mask) == 0] = -100
+        labels[i, : len(ids)] = lab
+    return input_ids, attn, labels, shared_prompt_prefix(chunk) if share_prefix else 0
+
+
+def _window_chunks(part: list, batch_size: int) -> list:
+    """Batches of similar length from one window of examples (a trailing partial batch is dropped)."""
+    part = sorted(part, key=lambda ex: len(ex[0]))
+    return [part[b: b + batch_size] for b in range(0, len(part) - batch_size + 1, batch_size)]
+
+
+def _batches(examples: list, batch_size: int, rng: np.random.Generator, pad_id: int, share_prefix: bool = False):
     """Shuffled batches of similar length (less padding): shuffle, sort within windows of 16 batches, then
     shuffle the batch order."""
     order = rng.permutation(len(examples))
     window = batch_size * 16
     chunks = []
     for w in range(0, len(order), window):
-        part = sorted(order[w: w + window], key=lambda i: len(examples[i][0]))
-        chunks += [part[b: b + batch_size] for b in range(0, len(part) - batch_size + 1, batch_size)]
+        chunks += _window_chunks([examples[i] for i in order[w: w + window]], batch_size)
     for c in rng.permutation(len(chunks)):
-        chunk = [examples[i] for i in chunks[c]]
-        length = max(len(ids) for ids, _ in chunk)
-        input_ids = torch.full((len(chunk), length), pad_id, dtype=torch.long)
-        labels = torch.full((len(chunk), length), -100, dtype=torch.long)
-        attn = torch.zeros((len(chunk), length), dtype=torch.long)
-        for i, (ids, mask) in enumerate(chunk):
-            t = torch.tensor(ids)
-            input_ids[i, : len(ids)] = t
-            attn[i, : len(ids)] = 1
-            lab = t.clone()
-            lab[torch.tensor(mask) == 0] = -100
-            labels[i, : len(ids)] = lab
-        yield input_ids, attn, labels
+        yield _collate(chunks[c], pad_id, share_prefix)
+
+
+def _stream_batches(stream: Iterable, batch_size: int, rng: np.random.Generator, pad_id: int,
+                    share_prefix: bool = False):
+    """First-epoch batches straight from the demonstration stream: examples in arrival (row) order, sorted by
+    length and shuffled within windows of 16 batches as each window fills."""
+    window = batch_size * 16
+    buf: list = []
+    for ex in stream:
+        buf.append(ex)
+        if len(buf) == window:
+            chunks, buf = _window_chunks(buf, batch_size), []
+            for c in rng.permutation(len(chunks)):
+                yield _collate(chunks[c], pad_id, share_prefix)
+    chunks = _window_chunks(buf, batch_size)
+    for c in rng.permutation(len(chunks)):
+        yield _collate(chunks[c], pad_id, share_prefix)
 
 
 def masked_lm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
@@ -176,6 +262,8 @@ def masked_lm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     if shared_prefix:
         if not bool((labels[:, : shared_prefix + 1] == -100).all()):
             raise ValueError("shared_prefix covers trained tokens; it must end inside the masked prompt")
+        if not bool((input_ids[:, :shared_prefix] == input_ids[:1, :shared_prefix]).all()):
+            raise ValueError("shared_prefix covers tokens that differ between rows")
         prefix = model.model(input_ids=input_ids[:1, :shared_prefix], use_cache=True)
         cache = prefix.past_key_values
         cache.batch_repeat_interleave(input_ids.shape[0])
@@ -204,30 +292,42 @@ def shared_prompt_prefix(examples: Sequence[tuple[list[int], list[int]]]) -> int
     return max(0, n - 1)
 
 
-def train_sft(model, examples: list, *, epochs: int, batch_size: int, lr: float, warmup_ratio: float,
-              weight_decay: float, grad_clip: float, seed: int, max_minutes: float, pad_id: int,
-              max_steps: int = 0, share_prompt_prefix: bool = True) -> dict[str, Any]:
+def train_sft(model, examples: list | DemonstrationStream, *, epochs: int, batch_size: int, lr: float,
+              warmup_ratio: float, weight_decay: float, grad_clip: float, seed: int, max_minutes: float, pad_id: int,
+              max_steps: int = 0, share_prompt_prefix: bool = True, num_examples: int | None = None) -> dict[str, Any]:
     """Full fine-tune with AdamW + warm-up/cosine schedule over ``min(epochs, max_steps)``; a safety stop at
-    ``max_minutes``. Returns summary stats."""
+    ``max_minutes``. Returns summary stats.
+
+    ``examples``: a list, or a :class:`DemonstrationStream` whose first epoch trains on the demonstrations as they
+    arrive (``num_examples``, the rows it will yield at most, plans the schedule); later epochs shuffle them all.
+    The common prompt prefix is run once per batch (``share_prompt_prefix``)."""
+    streaming = isinstance(examples, DemonstrationStream)
+    n_examples = (num_examples or 0) if streaming else len(examples)
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
-    steps_per_epoch = len(examples) // batch_size
+    steps_per_epoch = n_examples // batch_size
     total = max(1, steps_per_epoch * epochs)
     if max_steps:
         total = min(total, max_steps)
-        epochs = -(-total // max(1, steps_per_epoch))
     warmup = max(1, int(total * warmup_ratio))
-    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+    # fused: one kernel for all parameters (CPU and GPU); the per-parameter loop costs ~5% of a tiny-model step
+    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(
         optim, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total))))
-    prefix = shared_prompt_prefix(examples) if share_prompt_prefix else 0
-    logger.info("sft: %d examples, %d steps, shared prompt prefix %d tokens", len(examples), total, prefix)
+    logger.info("sft: %d examples%s, %d steps", n_examples, " (streamed while built)" if streaming else "", total)
     model.train()
-    start, step, losses = time.time(), 0, []
+    start, step, losses, prefixes = time.time(), 0, [], []
     bar = tqdm(total=total, desc="sft", unit="step")
     stopped_early = False
-    for _ in range(epochs):
-        for input_ids, attn, labels in _batches(examples, batch_size, rng, pad_id):
+    epoch = 0
+    while step < total and not stopped_early:
+        if streaming and epoch == 0:
+            batches = _stream_batches(examples, batch_size, rng, pad_id, share_prompt_prefix)
+        else:
+            batches = _batches(examples.examples if streaming else examples, batch_size, rng, pad_id,
+                               share_prompt_prefix)
+        epoch_steps = 0
+        for input_ids, attn, labels, prefix in batches:
             loss = masked_lm_loss(model, input_ids, attn, labels, prefix)
             optim.zero_grad(set_to_none=True)
             loss.backward()
@@ -235,22 +335,34 @@ def train_sft(model, examples: list, *, epochs: int, batch_size: int, lr: float,
             optim.step()
             sched.step()
             step += 1
+            epoch_steps += 1
             losses.append(loss.item())
+            prefixes.append(prefix)
             bar.update(1)
             bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}", lr=f"{sched.get_last_lr()[0]:.2e}")
+            if step % 100 == 0:
+                logger.info("sft step %d/%d loss %.3f lr %.2e %.3f s/step", step, total, np.mean(losses[-20:]),
+                            sched.get_last_lr()[0], (time.time() - start) / step)
             if step >= total:
                 break
             if (time.time() - start) / 60 > max_minutes:
                 stopped_early = True
+                logger.warning("sft stopped at its time limit (sft.max_minutes=%s) after %d/%d steps",
+                               max_minutes, step, total)
                 break
-        if stopped_early:
-            logger.warning("sft stopped at its time limit (sft.max_minutes=%s) after %d/%d steps",
-                           max_minutes, step, total)
+        if hasattr(batches, "close"):
+            batches.close()  # a stream left early stops its tool calls
+        if epoch_steps == 0:
+            if epoch == 0:
+                raise ValueError("no SFT batch: fewer demonstrations fit sft.max_length than sft.batch_size; raise it")
             break
+        epoch += 1
     bar.close()
     model.eval()
-    return {"steps": step, "planned_steps": total, "final_loss": float(np.mean(losses[-20:])) if losses else float("nan"),
-            "seconds": time.time() - start, "stopped_early": stopped_early}
+    return {"steps": step, "planned_steps": total, "epochs": round(step / max(1, steps_per_epoch), 2),
+            "final_loss": float(np.mean(losses[-20:])) if losses else float("nan"),
+            "seconds": time.time() - start, "stopped_early": stopped_early,
+            "mean_shared_prefix": float(np.mean(prefixes)) if prefixes else 0.0}
 
 
 def run_sft(cfg) -> Path:
@@ -275,24 +387,31 @@ def run_sft(cfg) -> Path:
     df = pd.read_parquet(train_file)
     if s.max_samples and len(df) > s.max_samples:
         df = df.iloc[: s.max_samples]
+    demos = iter_demonstrations(df, tokenizer, tools, s.seed, s.demo.skip_tool_prob, s.demo.wrong_tool_prob,
+                                s.tool_workers, s.demo.verbose_think)
+    stream = DemonstrationStream(demos, s.max_length)
     try:
-        examples, modes = build_sft_dataset(df, tokenizer, tools, s.seed, s.demo.skip_tool_prob,
-                                            s.demo.wrong_tool_prob, s.max_length, s.tool_workers)
+        examples: list | DemonstrationStream = stream
+        if not s.stream_demos:
+            for _ in stream:
+                pass
+            examples = stream.examples
+            if not examples:
+                raise ValueError(f"no SFT example fits sft.max_length={s.max_length}; raise it")
+        summary = train_sft(model, examples, epochs=s.epochs, batch_size=s.batch_size, lr=s.lr,
+                            warmup_ratio=s.warmup_ratio, weight_decay=s.weight_decay, grad_clip=s.grad_clip,
+                            seed=s.seed, max_minutes=s.max_minutes, pad_id=tokenizer.pad_token_id,
+                            max_steps=s.max_steps, share_prompt_prefix=s.share_prompt_prefix, num_examples=len(df))
     finally:
+        demos.close()
         for tool in tools.values():
             tool.close()
-    if not examples:
-        raise ValueError(f"no SFT example fits sft.max_length={s.max_length}; raise it")
-    logger.info("sft demonstrations: %s", modes)
-    summary = train_sft(model, examples, epochs=s.epochs, batch_size=s.batch_size, lr=s.lr,
-                        warmup_ratio=s.warmup_ratio, weight_decay=s.weight_decay, grad_clip=s.grad_clip,
-                        seed=s.seed, max_minutes=s.max_minutes, pad_id=tokenizer.pad_token_id,
-                        max_steps=s.max_steps, share_prompt_prefix=s.share_prompt_prefix)
     out = Path(s.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
-    (out / "sft_summary.json").write_text(json.dumps({**summary, "demos": modes}, indent=2))
+    (out / "sft_summary.json").write_text(json.dumps({**summary, "demos": stream.modes,
+                                                             "demo_seconds": stream.seconds}, indent=2))
     logger.info("sft done: %s -> %s", summary, out)
     return out
 

@@ -43,9 +43,19 @@ def test_gold_demonstration_runs_every_planned_call_in_order():
     assert mode == "gold"
     assert tools["search"].calls == ["Trivex founded"] and tools["python"].calls == ["print(2024 - 1987)"]
     text = "".join(s.text for s in segs)
-    assert text.startswith("<think> I need the Trivex founded. </think> <search> Trivex founded </search> <result>\n")
-    assert text.endswith("<answer> The final answer is \\boxed{ 37 } </answer>")
+    assert text.startswith("<think> I will search. </think> <search> Trivex founded </search> <result>\n")
+    assert "</result> <think> I will compute this with python. </think> <python> print(2024 - 1987) </python>" in text
+    assert text.endswith("<think> I have the answer. </think> <answer> The final answer is \\boxed{ 37 } </answer>")
     assert [s.is_model for s in segs] == [True, False, True, False, True]
+
+
+def test_verbose_think_restates_queries_and_findings():
+    segs, mode = build_demonstration("How many years?", "37", PLAN, _tools(), random.Random(0), 0.0, 0.0,
+                                     verbose_think=True)
+    text = "".join(s.text for s in segs)
+    assert text.startswith("<think> I need the Trivex founded. </think> <search> Trivex founded </search> <result>\n")
+    assert "<think> Trivex was founded in 1987. I will compute this with python. </think>" in text
+    assert text.endswith("<think> 2024 - 1987 = 37. </think> <answer> The final answer is \\boxed{ 37 } </answer>")
 
 
 def test_skip_demonstration_omits_the_last_call_and_guesses_wrong():
@@ -60,7 +70,10 @@ def test_wrong_tool_demonstration_calls_the_other_tool():
     tools = _tools()
     segs, mode = build_demonstration("How many years?", "37", PLAN, tools, random.Random(0), 0.0, 1.0)
     assert mode == "wrong_tool"
-    assert len(tools["python"].calls) == 1 and tools["search"].calls == []
+    assert tools["python"].calls == ['print("Trivex founded")'] and tools["search"].calls == []
+    tools = _tools()
+    build_demonstration("What is 2024 - 1987?", "37", PLAN[1:], tools, random.Random(0), 0.0, 1.0)
+    assert tools["search"].calls == ["2024 - 1987"] and tools["python"].calls == []
 
 
 def test_loss_mask_is_zero_exactly_on_prompt_and_tool_results(tiny_model_dir):
@@ -81,11 +94,12 @@ def test_loss_mask_is_zero_exactly_on_prompt_and_tool_results(tiny_model_dir):
     assert tok.decode(result) == segs[1].text
 
 
-# Measured with the default config (tiny_model.vocab_size=600, sft.batch_size=4, max_steps=800; temperature 1.0,
-# 128 test questions): format search 0.88 / both 0.70 / python 0.92 (0.84 overall); accuracy search 0, both 0.025,
-# python 0 -- below the bar (>= 90% format, some accuracy on each kind): the tiny model learns the tag
-# protocol but hardly to copy entities/numbers yet. Thresholds keep a margin below the measurement.
-MIN_FORMAT_RATE = 0.7
+# Measured with the default config (tiny_model defaults, sft.max_steps=900 x batch 4, short thoughts, streamed
+# demonstrations; temperature 1.0, 128 test questions, protocol_quality seeds 0-4): format overall
+# 0.95/0.92/0.88/0.94/0.91 (mean 0.92; search 0.88, both 0.93, python 0.96 on average); accuracy 0-0.016 overall
+# (a 'both' or 'python' question now and then, search never): the tiny model learns the tag protocol but hardly to
+# copy entities or numbers. The test runs seed 0 (0.95); thresholds keep a margin below the lowest seed.
+MIN_FORMAT_RATE = 0.85
 MIN_ACCURACY = {"search": 0.0, "python": 0.0, "both": 0.0}
 
 
@@ -158,3 +172,58 @@ def test_shared_prompt_prefix_gives_the_same_loss_and_gradients():
     assert torch.allclose(plain, shared, atol=1e-6)
     for g, p in zip(plain_grads, model.parameters()):
         assert torch.allclose(g, p.grad, atol=1e-6)
+
+
+def test_streamed_first_epoch_trains_on_every_demonstration_then_reuses_them():
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from arpo.sft import DemonstrationStream, train_sft
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    system = [5, 6, 7, 8]
+    demos = []
+    for i in range(26):
+        ids = system + [10 + i % 7] + [20 + (i + j) % 30 for j in range(3 + i % 5)]
+        demos.append(((ids, [0] * 5 + [1] * (len(ids) - 5)), "gold"))
+    demos.append((([1] * 50, [0] * 49 + [1]), "skip"))  # too long: dropped and counted
+    seen = []
+
+    def produce():
+        for d in demos:
+            seen.append(d)
+            yield d
+
+    stream = DemonstrationStream(produce(), max_length=40)
+    summary = train_sft(model, stream, epochs=2, batch_size=4, lr=1e-3, warmup_ratio=0.1, weight_decay=0.0,
+                        grad_clip=1.0, seed=0, max_minutes=5, pad_id=0, num_examples=len(demos))
+    assert len(seen) == len(demos) and stream.done
+    assert stream.modes == {"gold": 26, "skip": 0, "wrong_tool": 0, "too_long": 1}
+    assert len(stream.examples) == 26
+    # 26 kept rows: 6 full batches per epoch (the partial one dropped); the schedule planned 27 // 4 * 2 = 12
+    assert summary["steps"] == 12 and summary["planned_steps"] == 12
+    assert summary["mean_shared_prefix"] >= len(system) - 1
+
+
+def test_stream_stops_pulling_demonstrations_when_max_steps_is_reached():
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from arpo.sft import DemonstrationStream, train_sft
+
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    pulled = []
+
+    def produce():
+        for i in range(1000):
+            pulled.append(i)
+            yield ([1, 2, 3, 4 + i % 9, 5], [0, 0, 1, 1, 1]), "gold"
+
+    summary = train_sft(model, DemonstrationStream(produce(), max_length=40), epochs=1, batch_size=2, lr=1e-3,
+                        warmup_ratio=0.1, weight_decay=0.0, grad_clip=1.0, seed=0, max_minutes=5, pad_id=0,
+                        max_steps=3, num_examples=1000)
+    assert summary["steps"] == 3
+    assert len(pulled) <= 2 * 16  # one window of 16 batches, not the whole stream
