@@ -110,6 +110,10 @@ class VLLMEngine:
         from vllm.sampling_params import RequestOutputKind
 
         sp.validate()
+        # Flat logprobs (vLLM >= 0.11.1) keep a request's top-k candidates in a few flat lists instead of one
+        # dict of objects per token: much less Python work and GC in the process that reads them.
+        flat = {"flat_logprobs": True} if sp.logprobs is not None and hasattr(VSamplingParams, "flat_logprobs") \
+            else {}
         return VSamplingParams(
             temperature=sp.temperature,
             top_p=sp.top_p,
@@ -127,6 +131,7 @@ class VLLMEngine:
             skip_special_tokens=False,
             spaces_between_special_tokens=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
+            **flat,
         )
 
     async def generate(self, prompt_ids: list[int], sampling_params: SamplingParams,
@@ -149,9 +154,7 @@ class VLLMEngine:
         if final is None:  # pragma: no cover - vLLM always yields the finished output
             raise RuntimeError(f"vLLM returned no output for request {request_id}")
         completion = final.outputs[0]
-        logprobs = None
-        if completion.logprobs is not None:
-            logprobs = [{int(tid): float(lp.logprob) for tid, lp in step.items()} for step in completion.logprobs]
+        logprobs = _logprob_dicts(completion.logprobs)
         return GenerationOutput(
             token_ids=list(completion.token_ids),
             text=completion.text,
@@ -202,6 +205,17 @@ class VLLMEngine:
         llm, self._llm = getattr(self, "_llm", None), None
         if llm is not None:
             llm.shutdown()
+
+
+def _logprob_dicts(logprobs: Any) -> list[dict[int, float]] | None:
+    """vLLM's sample logprobs, flat (``FlatLogprobs``) or one dict of ``Logprob`` per token, as one
+    ``{token_id: logprob}`` dict per generated token."""
+    if logprobs is None:
+        return None
+    if hasattr(logprobs, "start_indices"):
+        ids, values = logprobs.token_ids, logprobs.logprobs
+        return [dict(zip(ids[a:b], values[a:b])) for a, b in zip(logprobs.start_indices, logprobs.end_indices)]
+    return [{int(tid): float(lp.logprob) for tid, lp in step.items()} for step in logprobs]
 
 
 def _model_max_len(model_path: str) -> int:
