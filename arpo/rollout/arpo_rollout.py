@@ -28,12 +28,12 @@ Per prompt (a *group*, budget M = ``n``), one call of :meth:`ARPORollout.agenera
    when branching takes its slot. Which fills survive depends only on how many are needed, never on their
    content, so the kept ones are unbiased fresh samples; the trade is extra compute for less latency.
 
-Logprobs only where entropy is measured. Entropy uses the top-k logprobs of a segment's first
-``entropy_window`` tokens; asking the engine for them on every token costs about 1.6x the generation time on
-vLLM (it builds and detokenises k candidates per token). So a segment is requested as a window request with
-logprobs, then at once (same coroutine, no extra round) a continuation without them; ``return_entropy``
-(per-token entropy for analysis) asks for them everywhere instead. A stop string split between the two
-requests is found and cut like the probe's below.
+Logprobs. Entropy uses the top-k logprobs of a segment's first ``entropy_window`` tokens. What they cost
+vLLM is mostly detokenising the k candidates of every token, so requests carrying them run without
+detokenisation (see ``_RolloutCall._request``): when every stop string is a single token (the tiny model's
+tags) a segment is one request stopping on the tags' token ids, with logprobs on every token; otherwise it
+is a window request with logprobs, then at once (same coroutine, no extra round) a continuation without
+them, and a stop string split between the two is found and cut like the probe's below.
 
 Entropy timing. ``timing: code`` takes H_now from the first ``entropy_window`` tokens of the segment that
 ends with the tool call (the released code). ``timing: paper`` appends the result, generates
@@ -261,7 +261,7 @@ class _Traj:
 
 @dataclass
 class _Decision:
-    """A branching decision whose forks wait for a budget slot (see ``_RolloutCall._decide``)."""
+    """A branching decision and the forks it asks for (see ``_RolloutCall._branch``)."""
 
     traj: "_Traj"
     depth: int  # the parent's tool-call count at the decision
@@ -602,6 +602,7 @@ class _RolloutCall:
         self.task_event.set()
 
     def _stop_strings_as_token_ids(self) -> tuple[int, ...] | None:
+        """The stop strings (with ``stop_token_ids``) as token ids, or None if one is not a single token."""
         ids = []
         for stop in self.base_params.stop:
             enc = self.tok.encode(stop, add_special_tokens=False)
@@ -660,7 +661,8 @@ class _RolloutCall:
                                         seed=derive_seed(self.seed, t.group, t.key, t.n_requests),
                                         logprobs=self.base_params.logprobs if logprobs else None)
         if not detokenize:
-            params = params.with_(stop=(), detokenize=False, stop_token_ids=self.stop_ids or params.stop_token_ids)
+            params = params.with_(stop=(), detokenize=False,
+                                  stop_token_ids=self.stop_ids or params.stop_token_ids)
         request_id = f"arpo-{self.nonce}-g{t.group}-t{t.local}-r{t.n_requests}"
         first_of_branch = t.kind == "branch" and t.n_requests == 0
         t.n_requests += 1
@@ -866,8 +868,11 @@ class _RolloutCall:
         budget = self.budgets[t.group]
         if wants == 0 or budget.remaining == 0:  # slots are never given back: 0 now is 0 in any order
             return
-        decision = _Decision(t, t.n_calls, pos, wants, copy.deepcopy([c for c in t.tool_calls if c["end"] <= pos]))
-        if self.cfg.branch_grant == "first_come" or budget.remaining - self._forks_bound(t.group, exclude=t) >= wants:
+        # the records as they are now: the parent updates its last one later (entropy after the tool)
+        records = copy.deepcopy([c for c in t.tool_calls if c["end"] <= pos])
+        decision = _Decision(t, t.n_calls, pos, wants, records)
+        uncontended = budget.remaining - self._forks_bound(t.group, exclude=t) >= wants
+        if self.cfg.branch_grant == "first_come" or uncontended:
             self._grant(decision)
         else:
             self.pending[t.group].append(decision)
