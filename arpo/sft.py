@@ -188,16 +188,11 @@ class DemonstrationStream:
         self.seconds = time.time() - start
         logger.info("sft demonstrations built in %.1f s: %s", self.seconds, self.modes)
 
-
-def build_sft_dataset(df: pd.DataFrame, tokenizer, tools: Mapping[str, BaseTool], seed: int,
-                      skip_tool_prob: float, wrong_tool_prob: float, max_length: int,
-                      num_workers: int = 8, verbose_think: bool = False) -> tuple[list, dict[str, int]]:
-    """Every demonstration up front: (examples, counts per demo kind + ``too_long``)."""
-    stream = DemonstrationStream(iter_demonstrations(df, tokenizer, tools, seed, skip_tool_prob, wrong_tool_prob,
-                                                     num_workers, verbose_think), max_length)
-    for _ in stream:
-        pass
-    return stream.examples, stream.modes
+    def collect(self) -> list[tuple[list[int], list[int]]]:
+        """Build every demonstration now (no streaming); return the kept ones."""
+        for _ in self:
+            pass
+        return self.examples
 
 
 def _collate(chunk: Sequence[tuple[list[int], list[int]]], pad_id: int, share_prefix: bool):
@@ -393,9 +388,7 @@ def run_sft(cfg) -> Path:
     try:
         examples: list | DemonstrationStream = stream
         if not s.stream_demos:
-            for _ in stream:
-                pass
-            examples = stream.examples
+            examples = stream.collect()
             if not examples:
                 raise ValueError(f"no SFT example fits sft.max_length={s.max_length}; raise it")
         summary = train_sft(model, examples, epochs=s.epochs, batch_size=s.batch_size, lr=s.lr,
