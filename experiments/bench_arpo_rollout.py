@@ -10,16 +10,19 @@ runs, with ``--latency-ms`` per request plus ``--token-latency-ms`` per generate
 time (requests overlap, so a round of requests costs about its longest one). ``--tools-factory module:function``
 (``f() -> list[BaseTool]``) plugs in real tools; the default is two instant deterministic tools.
 
-Prints one JSON object: per mode (``arpo``, ``single``) the median wall time, generated tokens, tokens/s,
-requests, rounds, branches, prefix-cache hit rate overall and on the first request of each branch, time in
-generation vs tools; and ``arpo_over_single_wall`` (the goal: at most 1.1), also for ARPO with
-``speculative_fill`` = M − N, each also as ``…_paired_median``: the median over repeats of the ratio within
-one repeat, which a machine whose speed drifts between runs disturbs less. ``single_logprobs`` is the plain rollout asking for top-k logprobs on every
-token, and ``arpo_all_logprobs`` ARPO doing the same (``return_entropy``): together they show what limiting
-logprobs to the entropy windows saves. ``arpo_rounds`` and ``single_rounds`` run ``schedule: rounds`` (all
-trajectories step together) against the ``--schedule`` of the others (default ``async``);
-``arpo_first_come`` grants branch slots first come, first served instead of in a fixed order. ``--modes`` picks a subset. The prefix cache is reset before
-every run so no run inherits another's cache.
+Prints one JSON object: per mode the median wall time, generated tokens, tokens/s, requests, rounds,
+branches, prefix-cache hit rate overall and on the first request of each branch, time in generation vs
+tools; and for each ARPO mode its wall time over plain GRPO's (``arpo_over_single_wall``, the goal: at most
+1.1), also as ``…_paired_median``: the median over repeats of the ratio within one repeat, which a machine
+whose speed drifts between runs disturbs less.
+
+Modes: ``arpo`` and ``single`` (plain GRPO) always run; ``arpo_speculative_fill`` (M − N speculative fills);
+``single_logprobs`` and ``arpo_all_logprobs`` ask for top-k logprobs on every token (``return_entropy``),
+which shows what entropy measurement costs; ``arpo_first_come`` grants branch slots first come, first
+served instead of in a fixed order; ``arpo_rounds`` and ``single_rounds`` run ``schedule: rounds`` (all
+trajectories step together) against the ``--schedule`` of the others (default ``async``), and are compared
+with each other. ``--modes`` picks a subset. The prefix cache is reset before every run so no run inherits
+another's cache.
 """
 
 from __future__ import annotations
@@ -140,9 +143,8 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         unknown = sorted(set(args.modes) - set(cfgs))
         if unknown:
             raise SystemExit(f"--modes: unknown {unknown}; choose from {sorted(cfgs)}")
-        cfgs = {m: c for m, c in cfgs.items() if m in args.modes or m in ("arpo", "single")}
-        if "arpo_rounds" in cfgs:
-            cfgs["single_rounds"] = cfgs.get("single_rounds") or ARPORolloutConfig(mode="single", **rounds)
+        keep = set(args.modes) | {"arpo", "single"} | ({"single_rounds"} if "arpo_rounds" in args.modes else set())
+        cfgs = {m: c for m, c in cfgs.items() if m in keep}
     runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in cfgs}
     for r in range(args.repeats):
         for mode, cfg in cfgs.items():
@@ -178,7 +180,8 @@ def main() -> None:
                     help="scripted engine only: delay per generated token (a round costs its longest request)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--modes", nargs="*", default=None,
-                    help="subset of modes to run (arpo and single always run); default: all")
+                    help="subset of modes to run (arpo and single always run, single_rounds with arpo_rounds); "
+                         "default: all")
     print(json.dumps(asyncio.run(amain(ap.parse_args())), indent=2))
 
 
