@@ -22,7 +22,9 @@ Per prompt (a *group*, budget M = ``n``), one call of :meth:`ARPORollout.agenera
    they call tools like any root but never branch), or with copies of the group's last trajectory
    (``fill: duplicate``, released-code compatibility only — duplicates bias GRPO's group mean and std).
    Fresh fills start as soon as the budget left exceeds the most that branching could still take, instead
-   of after the group finishes: the same decisions, fewer rounds. ``speculative_fill: K`` goes further and
+   of after the group finishes: the same decisions, fewer rounds. That most is a look-ahead, not a worst
+   case: every future decision's draws are known in advance (see Determinism), and entropies lie in a known
+   range, so a candidate whose draw no reachable ΔH would fork is not counted (``_RolloutCall._tree_forks``). ``speculative_fill: K`` goes further and
    starts up to K fills per group with the initial rollouts, outside the budget: each is confirmed when
    the group turns out to need it and dropped (its tokens wasted, counted in ``rollout/tokens/discarded``)
    when branching takes its slot. Which fills survive depends only on how many are needed, never on their
@@ -53,7 +55,8 @@ error text result and count toward the limit.
 
 Determinism. Engine requests carry seeds derived from (call seed, group, trajectory, request number), and
 each branching decision draws from its own generator seeded by (call seed, group, trajectory, call number),
-so no draw depends on the order requests complete in. With ``branch_grant: ordered`` (default) budget slots
+so no draw depends on the order requests complete in. A trajectory's identity is its parent's plus (call
+number, sibling number), so the draws of decisions of forks not yet made are known too. With ``branch_grant: ordered`` (default) budget slots
 also go to decisions in a fixed order (see ``_RolloutCall._branch``), so a deterministic engine gives the
 same batch for a seed under either schedule, whatever order requests and tool calls complete in.
 ``first_come`` grants slots as decisions arrive: replayable under ``schedule: rounds`` (decisions are taken
@@ -82,7 +85,8 @@ from typing import Any, Iterable, Mapping
 from arpo.batch import DataBatch, Trajectory, collate_trajectories
 from arpo.engine.base import GenerationEngine, GenerationOutput, SamplingParams
 from arpo.protocol import TOOL_TAGS, format_tool_result, parse_trailing_tool_call, stop_strings
-from arpo.rollout.branching import BranchingConfig, GroupBudget, should_branch, token_entropy, window_entropy
+from arpo.rollout.branching import (BranchingConfig, GroupBudget, could_branch, max_window_entropy, should_branch,
+                                     token_entropy, window_entropy)
 from arpo.rollout.tool_executor import ToolExecutor
 from tools.base import BaseTool
 
@@ -228,7 +232,8 @@ class _Traj:
     local: int
     kind: str  # initial | branch | fill | duplicate
     #: identity within the group that does not depend on creation order (seeds derive from it):
-    #: ("initial", i), ("fill", i), or the parent's key + (fork position, j).
+    #: ("initial", i), ("fill", i), or the parent's key + (decision depth, j) for its j-th fork at the decision
+    #: after its depth-th tool call (a duplicate: depth ``tool_call_limit + 1``).
     key: tuple
     prompt_ids: list[int]
     response_ids: list[int] = field(default_factory=list)
@@ -415,6 +420,12 @@ class _RolloutCall:
         self.seed = seed
         self.vocab_size = cfg.vocab_size or len(self.tok)
         self.log_v = math.log(self.vocab_size)
+        #: window entropies are clipped into [0, h_max] (see _window)
+        self.h_max = max_window_entropy(self.bcfg.window, self.bcfg.topk_logprobs, self.vocab_size,
+                                        self.bcfg.entropy_reduction)
+        #: memos of _may_want and _tree_forks (pure functions of a decision's identity and ΔH range)
+        self.may_want_memo: dict[tuple, int] = {}
+        self.tree_forks_memo: dict[tuple, int] = {}
         self.tool_names = [n for n in self.executor.tool_names]
         self.close_tags = {TOOL_TAGS[n][1]: n for n in self.tool_names}
         want_logprobs = cfg.mode == "arpo" or cfg.return_entropy
@@ -461,15 +472,18 @@ class _RolloutCall:
             t.h_initial = self.group_h0[group]
         return t
 
-    def _fork(self, parent: _Traj, pos: int, kind: str = "branch",
+    def _fork(self, parent: _Traj, pos: int, depth: int, kind: str = "branch",
               records: list[dict[str, Any]] | None = None) -> _Traj:
         """A copy of ``parent``'s first ``pos`` response tokens (the parent may have moved on since: its tokens
-        are append-only) with ``records``, its tool-call records as they were when the fork was decided."""
+        are append-only) with ``records``, its tool-call records as they were when the fork was decided at
+        call ``depth``. The fork's identity is (parent, depth, sibling number), known before ``pos`` is, so
+        the draws of its future decisions are known in advance too (see :meth:`_tree_forks`)."""
         if records is None:
             records = [c for c in parent.tool_calls if c["end"] <= pos]
-        siblings = sum(1 for x in self.by_group[parent.group] if x.parent == parent.tid and x.branch_pos == pos)
+        siblings = sum(1 for x in self.by_group[parent.group]
+                       if x.parent == parent.tid and x.key[len(parent.key)] == depth)
         child = self._new(
-            parent.group, kind, parent.key + (pos, siblings),
+            parent.group, kind, parent.key + (depth, siblings),
             response_ids=parent.response_ids[:pos], response_mask=parent.response_mask[:pos],
             token_entropy=parent.token_entropy[:pos], parent=parent.tid, branch_pos=pos,
             tool_calls=copy.deepcopy(records), n_calls=len(records),
@@ -730,7 +744,10 @@ class _RolloutCall:
         return ids, lps, finish, stop_reason
 
     def _window(self, lps: list[dict[int, float]]) -> float:
-        return window_entropy(lps, self.bcfg.window, self.vocab_size, self.bcfg.entropy_reduction)
+        # Clipped to what a distribution's top-k can give (only a broken engine's logprobs fall outside), so
+        # the look-ahead over future decisions in _tree_forks, which assumes that range, is never wrong.
+        h = window_entropy(lps, self.bcfg.window, self.vocab_size, self.bcfg.entropy_reduction)
+        return min(max(h, 0.0), self.h_max)
 
     def _settle_initial_entropy(self, groups: Iterable[int]) -> None:
         """Scope ``group``: once every initial root's first request is back, H_initial is the mean of their
@@ -881,10 +898,10 @@ class _RolloutCall:
     def _grant(self, d: _Decision) -> None:
         granted = self.budgets[d.traj.group].reserve(d.wants)
         for _ in range(granted):
-            self._fork(d.traj, d.pos, records=d.records)
+            self._fork(d.traj, d.pos, d.depth, records=d.records)
         self.m.count["branches"] += granted
 
-    def _next_decision_depth(self, t: _Traj) -> int | None:
+    def _first_decision_depth(self, t: _Traj) -> int | None:
         """Tool-call depth of the next decision ``t`` can still take (None: none)."""
         if t.kind == "fill" or t.speculative or t.phase == "done" or not self.cfg.branching_enabled:
             return None
@@ -892,15 +909,62 @@ class _RolloutCall:
             return t.n_calls
         return t.n_calls + 1 if t.n_calls < self.cfg.tool_call_limit else None
 
+    def _delta_range(self, h0: float | None) -> tuple[float, float]:
+        """The ΔH a trajectory with initial entropy ``h0`` (None: not known yet) can reach."""
+        if h0 is None:
+            return -self.h_max, self.h_max
+        return -h0, self.h_max - h0
+
+    def _may_want(self, g: int, key: tuple, h0: float | None, depth: int) -> int:
+        """How many of the decision's candidates could ask for a fork, from the draws it will make (the same
+        generator as :meth:`_branch`) and the ΔH range its trajectory can reach."""
+        memo_key = (g, key, h0, depth)
+        if memo_key not in self.may_want_memo:
+            lo, hi = self._delta_range(h0)
+            rng = random.Random(derive_seed(self.seed, "branch", g, key, depth))
+            self.may_want_memo[memo_key] = sum(could_branch(self.bcfg, lo, hi, rng)
+                                               for _ in range(self.bcfg.beam_size - 1))
+        return self.may_want_memo[memo_key]
+
+    def _tree_forks(self, g: int, key: tuple, h0: float | None, first_depth: int) -> int:
+        """Most forks (capped at M) the decisions of trajectory ``key`` at depths ``first_depth`` … the call
+        limit, and those of the forks they may make, can take. Every decision's draws are known in advance
+        (its generator is seeded by the trajectory's identity and depth, and a fork's identity is its parent's
+        plus (depth, sibling)), so only candidates that some reachable ΔH would fork are counted."""
+        memo_key = (g, key, h0, first_depth)
+        if memo_key in self.tree_forks_memo:
+            return self.tree_forks_memo[memo_key]
+        total, cap = 0, self.cfg.n
+        for depth in range(first_depth, self.cfg.tool_call_limit + 1):
+            for sibling in range(self._may_want(g, key, h0, depth)):
+                total += 1 + self._tree_forks(g, key + (depth, sibling), h0, depth + 1)
+                if total >= cap:
+                    break
+            if total >= cap:
+                break
+        self.tree_forks_memo[memo_key] = total = min(total, cap)
+        return total
+
+    def _earliest_wanting_depth(self, t: _Traj) -> int | None:
+        """Depth of the first decision of ``t`` that could ask for forks (None: none can). Decisions that can
+        ask for nothing take no slot, so ordered grants need not wait for them; ``t``'s forks decide only
+        after that depth."""
+        first = self._first_decision_depth(t)
+        if first is None:
+            return None
+        return next((d for d in range(first, self.cfg.tool_call_limit + 1)
+                     if self._may_want(t.group, t.key, t.h_initial, d)), None)
+
     def _resolve_pending(self, g: int) -> None:
         """Grant the group's waiting decisions in the fixed order, each as soon as no decision before it in
-        that order can still appear (every other trajectory has passed its depth, or finished)."""
+        that order can still appear and ask for forks (every other trajectory has passed its depth, finished,
+        or has no draw left that could fork before it)."""
         pending = self.pending[g]
         while pending:
             first = min(pending, key=lambda d: (d.depth, self._canonical(d.traj)))
             place = (first.depth, self._canonical(first.traj))
             for t in self.by_group[g]:
-                depth = self._next_decision_depth(t)
+                depth = self._earliest_wanting_depth(t)
                 if depth is not None and (depth, self._canonical(t)) < place:
                     return
             pending.remove(first)
@@ -916,31 +980,19 @@ class _RolloutCall:
         if self.progress is not None:
             self.progress.update(1)
 
-    def _subtree_bound(self, decisions_left: int) -> int:
-        """Most forks a trajectory with ``decisions_left`` decisions to come, and the forks it may spawn, can
-        take (each decision asks for at most ``beam_size - 1`` forks; a fork inherits the decisions left)."""
-        b, cap = self.bcfg.beam_size - 1, self.cfg.n
-        forks = [0] * (decisions_left + 1)
-        for r in range(1, decisions_left + 1):
-            forks[r] = min(cap, sum(b * (1 + forks[r - i]) for i in range(1, r + 1)))
-        return forks[decisions_left]
-
     def _max_future_forks(self, t: _Traj) -> int:
         """Most forks ``t`` and the forks it may still spawn can ever take."""
-        if t.kind == "fill" or not self.cfg.branching_enabled:
-            return 0
-        left = max(0, self.cfg.tool_call_limit - t.n_calls)
-        if t.phase == "probe":  # timing paper: a decision at the current result is still to come
-            left += 1
-        return min(self.cfg.n, self._subtree_bound(left))
+        first = self._first_decision_depth(t)
+        return 0 if first is None else self._tree_forks(t.group, t.key, t.h_initial, first)
 
     def _forks_bound(self, g: int, exclude: _Traj | None = None) -> int:
         """Most slots the group's decisions still to come (of every active trajectory but ``exclude``) and its
         waiting decisions (with the forks they would make) can take."""
-        bound = sum(self._max_future_forks(t) for t in self.by_group[g]
-                    if t is not exclude and t.phase != "done" and not t.speculative)
+        bound = sum(self._max_future_forks(t) for t in self.by_group[g] if t is not exclude)
         for d in self.pending[g]:
-            bound += d.wants * (1 + self._subtree_bound(max(0, self.cfg.tool_call_limit - d.depth)))
+            t = d.traj
+            bound += sum(1 + self._tree_forks(g, t.key + (d.depth, j), t.h_initial, d.depth + 1)
+                         for j in range(d.wants))
         return bound
 
     def _fill(self, groups: Iterable[int]) -> None:
@@ -976,7 +1028,7 @@ class _RolloutCall:
                 granted = budget.reserve(budget.remaining)
                 last = max((t for t in group if not t.discarded), key=self._canonical)
                 for _ in range(granted):
-                    dup = self._fork(last, len(last.response_ids), kind="duplicate")
+                    dup = self._fork(last, len(last.response_ids), self.cfg.tool_call_limit + 1, kind="duplicate")
                     dup.phase, dup.finish_reason = "done", last.finish_reason
                     if self.progress is not None:
                         self.progress.update(1)

@@ -133,17 +133,42 @@ class BranchingConfig:
         return self
 
 
+def max_window_entropy(window: int, topk: int, vocab_size: int, reduction: str = "mean") -> float:
+    """The largest value :func:`window_entropy` can take for top-``topk`` logprobs of a real distribution.
+
+    An engine returns at most ``topk + 1`` entries per token (vLLM adds the sampled token when it is not in
+    the top k) whose probabilities sum to at most 1; over ``K`` such entries ``−Σ p·log p`` is at most
+    ``max_{s ≤ 1} s·log(K/s)`` (``log K`` once ``K ≥ e``). The rollout clips measured entropies into
+    ``[0, this]`` so that its look-ahead over future decisions (:func:`could_branch`) is never wrong, even
+    for an engine whose logprobs are not a distribution."""
+    k = max(1, min(topk + 1, vocab_size))
+    mass = min(1.0, k / math.e)
+    per_token = mass * math.log(k / mass)
+    return per_token * (window if reduction == "sum" else 1) / math.log(vocab_size)
+
+
+def _branches(cfg: BranchingConfig, delta_h: float, u: float) -> bool:
+    if cfg.rule == "code":
+        return min(1.0, max(0.0, u - cfg.entropy_weight * delta_h)) <= cfg.branch_probability
+    if cfg.rule == "paper":
+        return cfg.paper_alpha + cfg.paper_beta * delta_h > cfg.paper_tau
+    raise ValueError(f"branching config: rule={cfg.rule!r} is invalid; use one of {RULES}")
+
+
 def should_branch(cfg: BranchingConfig, delta_h: float, rng: random.Random) -> bool:
     """Decide one fork candidate from the entropy change ``delta_h`` (H_now − H_initial).
 
     ``code`` draws one uniform number from ``rng`` per call; ``paper`` draws none (it is deterministic).
     """
-    if cfg.rule == "code":
-        prob = min(1.0, max(0.0, rng.random() - cfg.entropy_weight * delta_h))
-        return prob <= cfg.branch_probability
-    if cfg.rule == "paper":
-        return cfg.paper_alpha + cfg.paper_beta * delta_h > cfg.paper_tau
-    raise ValueError(f"branching config: rule={cfg.rule!r} is invalid; use one of {RULES}")
+    return _branches(cfg, delta_h, rng.random() if cfg.rule == "code" else 0.0)
+
+
+def could_branch(cfg: BranchingConfig, delta_lo: float, delta_hi: float, rng: random.Random) -> bool:
+    """Whether :func:`should_branch`, from the same ``rng`` state, says yes for some ΔH in
+    ``[delta_lo, delta_hi]``. It draws exactly what :func:`should_branch` draws, so a rollout can replay a
+    future decision's draws before its ΔH is known. Both rules are monotone in ΔH, so the ends suffice."""
+    u = rng.random() if cfg.rule == "code" else 0.0
+    return _branches(cfg, delta_lo, u) or _branches(cfg, delta_hi, u)
 
 
 class GroupBudget:

@@ -15,7 +15,7 @@ import torch
 from arpo.batch import DataBatch
 from arpo.engine.fake import ScriptedEngine, ScriptPolicy, ToyTokenizer
 from arpo.protocol import RESULT_CLOSE, TOOL_TAGS, format_tool_result
-from arpo.rollout.arpo_rollout import ARPORollout, ARPORolloutConfig
+from arpo.rollout.arpo_rollout import ARPORollout, ARPORolloutConfig, _RolloutCall
 from tests.rollout.fake_tools import BrokenSearch, FakePython, FakeSearch
 
 CLOSE_TAGS = [c for _, c in TOOL_TAGS.values()]
@@ -237,6 +237,47 @@ def test_same_batch_whatever_the_schedule_over_random_configs(seed):
         assert engine.in_flight == 0
         snaps.append(snapshot(batch))
     assert snaps[1] == snaps[0] and snaps[2] == snaps[0]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_look_ahead_over_future_draws_never_undercounts(seed, monkeypatch):
+    # Ordered grants and early fills rest on _tree_forks: the most forks a trajectory's future decisions can
+    # take, from draws known in advance. Check it against what the decisions really did.
+    calls = []
+    run = _RolloutCall.run
+
+    async def keep(self):
+        calls.append(self)
+        return await run(self)
+
+    monkeypatch.setattr(_RolloutCall, "run", keep)
+    cfg, policy, tools, split_tags, n_prompts = random_case(2000 + seed)
+    n = max(4, cfg["n"])  # room to fork: at most half the budget starts, every decision may fork
+    cfg = {**cfg, "mode": "arpo", "n": n, "initial_rollouts": max(1, min(cfg["initial_rollouts"], n // 2)),
+           "beam_size": max(2, cfg["beam_size"]), "tool_call_limit": max(2, cfg["tool_call_limit"]),
+           "branch_probability": 0.3 + 0.7 * cfg["branch_probability"], "max_response_length": 400}
+    rollout(cfg, policy, n_prompts=n_prompts, seed=seed, tools=tools, split_tags=split_tags)
+    call = calls[-1]
+    live = [t for t in call.trajs if not t.discarded]
+    forks = [t for t in live if t.kind == "branch"]
+    by_tid = {t.tid: t for t in call.trajs}
+
+    def root_of(t):
+        while t.parent >= 0:
+            t = by_tid[t.parent]
+        return t
+
+    for t in live:
+        for depth in range(1, call.cfg.tool_call_limit + 1):
+            made = sum(1 for f in forks if f.parent == t.tid and f.key[len(t.key)] == depth)
+            assert made <= call._may_want(t.group, t.key, t.h_initial, depth)
+            assert made <= call._may_want(t.group, t.key, None, depth)
+    for r in (t for t in live if t.kind == "initial"):
+        descendants = sum(1 for f in forks if root_of(f) is r)
+        assert descendants <= call._tree_forks(r.group, r.key, r.h_initial, 1)
+        assert descendants <= call._tree_forks(r.group, r.key, None, 1)
+    # the look-ahead assumes window entropies in [0, h_max]
+    assert all(0.0 <= h <= call.h_max for h in call.m.values["entropy_initial"] + call.m.values["entropy_before_tool"])
 
 
 def test_first_come_grants_at_once_and_replays_under_rounds():
@@ -539,16 +580,16 @@ def test_paper_probe_boundary_inside_a_multi_token_stop_string():
 def test_speculative_fill_confirms_or_drops_without_changing_decisions(schedule):
     base = dict(n=8, initial_rollouts=2, beam_size=2, max_response_length=300, tool_call_limit=2,
                 return_entropy=True, schedule=schedule)
-    # no branching: every speculative fill is needed, and the group needs fewer rounds
+    # no branching: every speculative fill is needed and kept; without speculation the look-ahead over the
+    # decisions' draws sees that no decision can fork, so the fills start with the initial rollouts anyway
     never = {**base, "branch_probability": 0.0, "entropy_weight": 0.0}
-    plain, _, _ = rollout(never, seed=2)
+    plain, plain_engine, _ = rollout(never, seed=2)
     spec, engine, gen = rollout({**never, "speculative_fill": 6}, seed=2)
     check_invariants(spec, gen.config, engine.tokenizer, 2)
     ms = spec.meta["metrics"]
     assert ms["rollout/fill_fresh"] == 12 and ms["rollout/fill_discarded"] == 0
-    if schedule == "rounds":
-        assert ms["rollout/rounds"] < plain.meta["metrics"]["rollout/rounds"]
-    assert engine.max_in_flight == 2 * 8  # fills ran alongside the initial rollouts
+    assert engine.max_in_flight == plain_engine.max_in_flight == 2 * 8  # fills ran alongside the initial ones
+    assert snapshot(spec) == snapshot(plain)
     # always branch: branching takes the slots, speculative fills are dropped; decisions are unchanged
     always = {**base, "branch_probability": 1.0}
     plain, _, _ = rollout(always, seed=2)

@@ -1,4 +1,5 @@
-"""Entropy math (hand-checked), both branching rules, config validation and the group budget."""
+"""Entropy math (hand-checked), both branching rules, the look-ahead over future draws, config validation and
+the group budget."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import threading
 
 import pytest
 
-from arpo.rollout.branching import BranchingConfig, GroupBudget, should_branch, token_entropy, window_entropy
+from arpo.rollout.branching import (BranchingConfig, GroupBudget, could_branch, max_window_entropy, should_branch,
+                                    token_entropy, window_entropy)
 
 
 class FixedRng(random.Random):
@@ -94,6 +96,58 @@ def test_paper_rule_is_deterministic_threshold():
     assert rng.draws == 0                      # no randomness consumed
     cfg2 = BranchingConfig(rule="paper", paper_alpha=0.2, paper_beta=1.0, paper_tau=0.5)
     assert should_branch(cfg2, 0.31, rng) and not should_branch(cfg2, 0.29, rng)
+
+
+def test_max_window_entropy_bounds_every_distribution_and_is_reached():
+    rng = random.Random(0)
+    for _ in range(300):
+        vocab, k = rng.choice([5, 50, 1000]), rng.choice([1, 2, 3, 10])
+        window, reduction = rng.choice([1, 4, 20]), rng.choice(["mean", "sum"])
+        bound = max_window_entropy(window, k, vocab, reduction)
+        steps = []
+        for _ in range(rng.randint(1, 25)):
+            # a distribution over the vocabulary (sometimes near-uniform); the engine returns its top k plus
+            # the sampled token
+            weights = [rng.random() ** rng.choice([0.01, 1, 8]) for _ in range(vocab)]
+            total = sum(weights)
+            probs = sorted(((w / total, i) for i, w in enumerate(weights)), reverse=True)
+            sampled = rng.randrange(vocab)
+            entries = {i: math.log(p) for p, i in probs[:k]}
+            entries[sampled] = math.log(weights[sampled] / total)
+            steps.append(entries)
+        assert window_entropy(steps, window, vocab, reduction) <= bound + 1e-9
+    # reached: k + 1 entries of probability 1/(k + 1) each
+    uniform = {i: -math.log(11) for i in range(11)}
+    assert window_entropy([uniform] * 20, 20, 1000, "mean") == pytest.approx(max_window_entropy(20, 10, 1000))
+    assert window_entropy([uniform] * 20, 20, 1000, "sum") == pytest.approx(
+        max_window_entropy(20, 10, 1000, "sum"))
+    # fewer than e entries cannot reach log K: one entry gives at most 1/e nats
+    assert max_window_entropy(1, 0, 1000) == pytest.approx(1 / math.e / math.log(1000))
+
+
+@pytest.mark.parametrize("rule", ["code", "paper"])
+def test_could_branch_replays_the_draws_and_covers_every_reachable_delta(rule):
+    rng = random.Random(1)
+    for _ in range(2000):
+        cfg = BranchingConfig(rule=rule, branch_probability=rng.random(), entropy_weight=rng.uniform(-1, 1),
+                              paper_alpha=rng.random(), paper_beta=rng.uniform(-1, 1), paper_tau=rng.random())
+        lo = rng.uniform(-1, 1)
+        hi = lo + rng.uniform(0, 1)
+        seed = rng.randrange(10**9)
+        look, decide = random.Random(seed), random.Random(seed)
+        possible = could_branch(cfg, lo, hi, look)
+        deltas = [lo, hi] + [rng.uniform(lo, hi) for _ in range(5)]
+        verdicts = [should_branch(cfg, d, random.Random(seed)) for d in deltas]
+        assert possible == any(verdicts)  # the ends are among the deltas, and the rules are monotone
+        # the same number of draws: the next decision from the same generator sees the same state
+        should_branch(cfg, lo, decide)
+        assert look.random() == decide.random()
+    if rule == "code":
+        # the default rule (p 0.5, w 0.2): U = 0.55 can fork when ΔH reaches 0.5 (0.55 - 0.1 <= 0.5), not when
+        # ΔH stays at most 0.2 (0.51); U = 0.4 can whatever ΔH in [-0.1, 0]
+        cfg = BranchingConfig()
+        assert could_branch(cfg, -0.1, 0.5, FixedRng(0.55)) and not could_branch(cfg, -0.1, 0.2, FixedRng(0.55))
+        assert could_branch(cfg, -0.1, 0.0, FixedRng(0.4))
 
 
 @pytest.mark.parametrize("key,value,msg", [
