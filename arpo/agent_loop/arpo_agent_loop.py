@@ -2,31 +2,32 @@
 
 One ``run`` call drives one prompt's whole group of M (= ``n``) trajectories. ``initial_rollouts`` (N)
 root conversations start at once, each as its own coroutine. After a tool result, a coroutine may fork
-copies of itself — the same rule, timing, entropy and budget code as the round-synchronous ARPO rollout
-(:mod:`arpo.rollout.branching`, one implementation) — and each copy continues as a new coroutine at once,
-without waiting for the rest of the group to reach a round boundary:
+copies of itself — the same rule, timing, entropy and budget code as the ARPO rollout
+(:mod:`arpo.rollout.branching` for the rule, :mod:`arpo.rollout.branch_slots` for who gets the slots and
+when) — and each copy continues as a new coroutine at once, without waiting for a round boundary:
 
 * ``timing: code`` — ΔH from the first ``window`` tokens of the segment that ended with the tool call;
   the decision is taken as soon as the result is appended.
 * ``timing: paper`` — ΔH from the first ``window`` tokens generated after the result; the parent
   generates its next segment, measures it, and forks copies of its state at the end of the result.
 
-Every fork candidate (``beam_size − 1`` per branch point) makes one :func:`should_branch` draw and
-takes one slot from the group's :class:`GroupBudget`, which is shared by all of the group's coroutines,
-so the group never exceeds M. Slots that forks can no longer reach go to fresh roots, which fill the
-group to exactly M (the rollout's ``fill: fresh``) — as soon as they are known to be spare rather than
-after the whole group has finished (see :meth:`ARPOAgentLoop._fill`). Outputs are in creation order, a parent always
-before its children; ``parent``/``branch_pos`` describe the tree exactly as the rollout does, and a
-fork goes to its parent's server (sticky session) so it hits the prefix cache.
+Every decision draws from its own generator, seeded by the loop's seed, the request seed, the trajectory's
+identity and its tool-turn count, so no draw depends on completion order. Slots of the group's budget go to
+decisions in a fixed order (``branch_grant: ordered``, default: tool-turn depth, then place in the tree) or
+as they come (``first_come``, the released code). Slots that no decision can reach any more — known early,
+because future decisions' draws are known in advance — go at once to fresh roots, which fill the group to
+exactly M. So with a deterministic engine and a fixed request seed, the group is the same whatever order
+requests complete in. Outputs are in tree order (initial roots, then fills, each followed by its forks);
+``parent``/``branch_pos`` describe the tree exactly as the rollout does, and a fork goes to its parent's
+server (sticky session) so it hits the prefix cache.
 
-Branching draws come from one generator per group, consumed in completion order, so with a real engine
-two runs with the same seed may branch differently; every invariant (M, prefixes, masks) still holds.
+Without ``multi_turn.max_user_turns`` a trajectory's future forks are unbounded, so fresh roots wait until
+every branch has finished.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import math
 import random
 import uuid
@@ -36,7 +37,9 @@ from typing import Any
 from arpo.agent_loop.base import AgentLoopContext, AgentLoopOutput, register
 from arpo.agent_loop.tool_agent_loop import Conversation, ToolAgentLoop
 from arpo.engine.base import GenerationOutput, SamplingParams
-from arpo.rollout.branching import BranchingConfig, GroupBudget, should_branch, token_entropy, window_entropy
+from arpo.rollout.branch_slots import GRANTS, ForkLookahead, GroupSlots, canonical
+from arpo.rollout.branching import (BranchingConfig, GroupBudget, derive_seed, max_window_entropy, should_branch,
+                                     token_entropy, window_entropy)
 
 
 @dataclass
@@ -46,11 +49,13 @@ class _Branch:
     index: int
     conv: Conversation
     kind: str  # initial | branch | fill
+    #: identity in the group, independent of creation order (see arpo.rollout.branch_slots)
+    key: tuple
     parent: int = -1
     branch_pos: int = 0
     h_initial: float | None = None
     requests: int = 0
-    #: a paper-timing fork decision is pending (taken after the next segment).
+    #: the decision at the last tool result is still to be taken (paper timing: after the next segment).
     pending_decision: bool = False
     done: bool = False
 
@@ -63,7 +68,8 @@ class ARPOAgentLoop(ToolAgentLoop):
 
     def __init__(self, context: AgentLoopContext, branching: BranchingConfig | dict[str, Any] | None = None,
                  initial_rollouts: int | None = None, seed: int | None = None, format: str | None = "arpo_tags",
-                 vocab_size: int | None = None, return_entropy: bool = False, **kwargs: Any):
+                 vocab_size: int | None = None, return_entropy: bool = False, branch_grant: str = "ordered",
+                 **kwargs: Any):
         super().__init__(context, format=format, **kwargs)
         if isinstance(branching, BranchingConfig):
             self.bcfg = branching.validate()
@@ -77,11 +83,16 @@ class ARPOAgentLoop(ToolAgentLoop):
         if initial_rollouts is not None and initial_rollouts < 1:
             raise ValueError(f"arpo_agent initial_rollouts={initial_rollouts}: must be >= 1 (or null for M/2)")
         self.initial_rollouts = initial_rollouts
+        if branch_grant not in GRANTS:
+            raise ValueError(f"arpo_agent branch_grant={branch_grant!r}: use one of {GRANTS}")
+        self.branch_grant = branch_grant
         self.seed = seed if seed is not None else random.SystemRandom().randrange(2**31)
         self.vocab_size = vocab_size or len(context.tokenizer)
         #: record every response token's normalised entropy (``token_entropy``; NaN on tool tokens).
         self.return_entropy = return_entropy
         self.log_v = math.log(self.vocab_size)
+        self.h_max = max_window_entropy(self.bcfg.window, self.bcfg.topk_logprobs, self.vocab_size,
+                                        self.bcfg.entropy_reduction)
 
     # ------------------------------------------------------------------------------------- run
 
@@ -94,26 +105,32 @@ class ARPOAgentLoop(ToolAgentLoop):
             raise ValueError(f"arpo_agent initial_rollouts ({initial}) > n ({n}): the initial rollouts N cannot "
                              f"exceed the budget M; lower initial_rollouts or raise rollout.n")
         self.budget = GroupBudget(n)
-        self.rng = random.Random(self.seed)
         self.branches: list[_Branch] = []
         self.tasks: set[asyncio.Task] = set()
         self.params = self.sampling_params(sampling_params).with_(logprobs=self.bcfg.topk_logprobs)
+        self.lookahead = ForkLookahead(self.bcfg, derive_seed(self.seed, self.params.seed), n,
+                                       self.ctx.multi_turn.max_user_turns or None, self.h_max)
+        self.slots = GroupSlots(self.lookahead, self.budget, 0, self.branches, self._first_depth, self.branch_grant)
         self.prompt_ids = self.ctx.templater.prompt_ids(messages, with_tools=self.format == "hermes")
         # Group scope: H_initial is the mean of the initial roots' first windows, known once all have one.
         self.root_h0: list[float | None] = []
         self.group_h0: asyncio.Future = asyncio.get_running_loop().create_future()
         self.initial_count = self.budget.reserve(initial)
-        for _ in range(self.initial_count):
-            self._spawn(_Branch(len(self.branches), self._new_conversation(), "initial"))
+        for i in range(self.initial_count):
+            self._spawn(_Branch(len(self.branches), self._new_conversation(), "initial", ("initial", i)))
+        self._fill()
         try:
             while self.tasks:
                 await asyncio.gather(*list(self.tasks))
-                self._fill()  # every branch is done: whatever is left goes to fresh roots
+                self._fill()  # every branch is done: waiting decisions are granted, the rest goes to fresh roots
         except BaseException:
             for task in self.tasks:
                 task.cancel()
             raise
-        return [self._output(b) for b in self.branches]
+        # tree order by identity, which does not depend on the order branches were created in
+        ordered = sorted(self.branches, key=lambda b: canonical(b.key))
+        position = {b.index: i for i, b in enumerate(ordered)}
+        return [self._output(b, position) for b in ordered]
 
     def _new_conversation(self) -> Conversation:
         return Conversation(uuid.uuid4().hex, self.prompt_ids, token_entropy=[] if self.return_entropy else None)
@@ -125,41 +142,27 @@ class ARPOAgentLoop(ToolAgentLoop):
         task.add_done_callback(self.tasks.discard)
 
     def _fill(self) -> None:
-        """Start fresh roots on the slots no running branch can still take by forking.
+        """Grant the waiting decisions whose turn has come, then start fresh roots on the slots no branch can
+        still take by forking (:meth:`GroupSlots.spare`): fill roots never fork, so the forks that do
+        happen are exactly the ones the budget would have allowed anyway."""
+        self.slots.resolve()
+        fills = sum(1 for b in self.branches if b.kind == "fill")
+        for i in range(self.budget.reserve(self.slots.spare())):
+            self._spawn(_Branch(len(self.branches), self._new_conversation(), "fill", ("fill", fills + i)))
 
-        A slot is spare once the forks every running branch could still make (bounded by its remaining
-        tool calls, :meth:`_fork_potential`) cannot reach it; the round-synchronous rollout fills only when
-        the whole group is done, and the agent loop need not wait that long. Fill roots never fork, so
-        the forks that do happen are exactly the ones the budget would have allowed anyway.
-        """
-        if self.budget.remaining == 0:
-            return
-        potentials = [self._fork_potential(b) for b in self.branches if not b.done]
-        if any(p is None for p in potentials):
-            return
-        spare = self.budget.remaining - sum(potentials)
-        for _ in range(self.budget.reserve(spare) if spare > 0 else 0):
-            self._spawn(_Branch(len(self.branches), self._new_conversation(), "fill"))
-
-    def _fork_potential(self, b: _Branch) -> int | None:
-        """Most descendants ``b`` can still create (None: unbounded, as without max_user_turns)."""
-        width = self.bcfg.beam_size - 1
-        if width == 0 or b.kind == "fill":
-            return 0
-        limit = self.ctx.multi_turn.max_user_turns
-        if not limit:
+    def _first_depth(self, b: _Branch) -> int | None:
+        """Tool-turn depth of the next decision ``b`` can still take (None: none)."""
+        if b.kind == "fill" or b.done or self.bcfg.beam_size <= 1:
             return None
-        left = max(0, limit - b.conv.user_turns)
-        # P(c): forks reachable with c tool results to come; each result may fork `width` children,
-        # each of which may receive the results after it.
-        reach = [0] * (left + 1)
-        for c in range(1, left + 1):
-            reach[c] = sum(width * (1 + reach[c - j]) for j in range(1, c + 1))
-        return reach[left] + (width * (1 + reach[left]) if b.pending_decision else 0)
+        turns = b.conv.user_turns
+        if b.pending_decision:
+            return turns
+        limit = self.ctx.multi_turn.max_user_turns
+        return None if limit and turns >= limit else turns + 1
 
-    def _output(self, b: _Branch) -> AgentLoopOutput:
+    def _output(self, b: _Branch, position: dict[int, int]) -> AgentLoopOutput:
         out = b.conv.to_output(self.ctx.response_length)
-        out.parent, out.branch_pos = b.parent, b.branch_pos
+        out.parent, out.branch_pos = (position[b.parent] if b.parent >= 0 else -1), b.branch_pos
         out.extra = {"rollout_kind": b.kind, "num_tool_calls": len(b.conv.tool_calls),
                      "initial_entropy": math.nan if b.h_initial is None else b.h_initial}
         return out
@@ -210,9 +213,9 @@ class ARPOAgentLoop(ToolAgentLoop):
         b.requests += 1
         if self.params.seed is None:
             return self.params
-        # A fixed seed on every request would make every fork resample its parent's continuation.
-        digest = hashlib.blake2b(repr((self.params.seed, b.index, b.requests)).encode(), digest_size=4).digest()
-        return self.params.with_(seed=int.from_bytes(digest, "little") & 0x7FFFFFFF)
+        # A fixed seed on every request would make every fork resample its parent's continuation; the
+        # identity (not the creation index) keeps the seed independent of completion order.
+        return self.params.with_(seed=derive_seed(self.params.seed, b.key, b.requests))
 
     def token_entropies(self, out: GenerationOutput) -> list[float] | None:
         if not self.return_entropy or out.logprobs is None or len(out.logprobs) != len(out.token_ids):
@@ -222,7 +225,8 @@ class ARPOAgentLoop(ToolAgentLoop):
     def _window(self, out: GenerationOutput) -> float | None:
         if not out.logprobs or len(out.logprobs) != len(out.token_ids):
             return None
-        return window_entropy(out.logprobs, self.bcfg.window, self.vocab_size, self.bcfg.entropy_reduction)
+        h = window_entropy(out.logprobs, self.bcfg.window, self.vocab_size, self.bcfg.entropy_reduction)
+        return min(max(h, 0.0), self.h_max)  # the range the look-ahead assumes (only a broken engine leaves it)
 
     async def _record_initial(self, b: _Branch, h: float | None) -> None:
         if self.bcfg.initial_entropy_scope == "trajectory":
@@ -237,28 +241,38 @@ class ARPOAgentLoop(ToolAgentLoop):
 
     async def _maybe_fork(self, b: _Branch, h_now: float | None, state: Conversation,
                           record: dict[str, Any] | None) -> None:
-        """Decide the ``beam_size − 1`` fork candidates at ``state`` (the end of a tool result)."""
-        if self.bcfg.beam_size <= 1 or self.budget.remaining == 0 or h_now is None or b.kind == "fill":
+        """Decide the ``beam_size − 1`` fork candidates at ``state`` (the end of a tool result) and offer the
+        forks asked for to the group's slots; they copy ``state`` whenever they are granted."""
+        try:
+            if self.bcfg.beam_size <= 1 or self.budget.remaining == 0 or h_now is None or b.kind == "fill":
+                return
+            if b.h_initial is None and self.bcfg.initial_entropy_scope == "group":
+                b.h_initial = await self.group_h0
+            if b.h_initial is None:
+                return
+            delta_h = h_now - b.h_initial
+            if record is not None:
+                record["delta_entropy"] = delta_h
+            if state.tool_calls and state is not b.conv:  # the paper-timing snapshot holds its own copy
+                state.tool_calls[-1]["delta_entropy"] = delta_h
+            depth = state.user_turns
+            rng = self.lookahead.rng(0, b.key, depth)
+            wants = sum(should_branch(self.bcfg, delta_h, rng) for _ in range(self.bcfg.beam_size - 1))
+        finally:
+            b.pending_decision = False  # past this decision before its forks are offered (GroupSlots.offer)
+        if wants == 0 or self.budget.remaining == 0:
             return
-        if b.h_initial is None and self.bcfg.initial_entropy_scope == "group":
-            b.h_initial = await self.group_h0
-        if b.h_initial is None:
-            return
-        delta_h = h_now - b.h_initial
-        if record is not None:
-            record["delta_entropy"] = delta_h
-        if state.tool_calls and state is not b.conv:  # the paper-timing snapshot holds its own copy
-            state.tool_calls[-1]["delta_entropy"] = delta_h
-        pos = len(state.response_ids)
-        for _ in range(self.bcfg.beam_size - 1):
-            if self.budget.remaining == 0:
-                break
-            if not should_branch(self.bcfg, delta_h, self.rng):
-                continue
-            if self.budget.reserve(1) == 0:
-                break
-            child = state.fork(uuid.uuid4().hex)
-            child.metrics = {"generate_sequences": 0.0, "tool_calls": 0.0}
-            self.ctx.server_manager.fork_session(b.conv.session_id, child.session_id)
-            self._spawn(_Branch(len(self.branches), child, "branch", parent=b.index, branch_pos=pos,
-                                h_initial=b.h_initial))
+        # the parent goes on; a grant that comes later copies the state as it was at the decision
+        snapshot = state if state is not b.conv else state.fork(state.session_id)
+        pos, parent_session = len(snapshot.response_ids), b.conv.session_id
+
+        def grant(granted: int) -> None:
+            for _ in range(granted):
+                key = GroupSlots.fork_key(b.key, depth, (x.key for x in self.branches))
+                child = snapshot.fork(uuid.uuid4().hex)
+                child.metrics = {"generate_sequences": 0.0, "tool_calls": 0.0}
+                self.ctx.server_manager.fork_session(parent_session, child.session_id)
+                self._spawn(_Branch(len(self.branches), child, "branch", key, parent=b.index, branch_pos=pos,
+                                    h_initial=b.h_initial))
+
+        self.slots.offer(b, depth, wants, grant)

@@ -150,7 +150,8 @@ class AgentLoopManager:
             for k in range(runs):
                 extra = {"n": n} if cls.returns_group else {}
                 run_params = params
-                if params.seed is not None and runs > 1:  # same seed on every sample = n identical samples
+                # same seed on every sample = n identical samples; on every group = the same branching draws
+                if params.seed is not None and (runs > 1 or cls.returns_group):
                     run_params = params.with_(seed=(params.seed * 1_000_003 + g * 1009 + k) & 0x7FFFFFFF)
                 jobs.append((g, self._run_one(semaphore, cls, kwargs, row["raw_prompt"], run_params, fields,
                                               extra)))

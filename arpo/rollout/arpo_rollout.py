@@ -24,7 +24,7 @@ Per prompt (a *group*, budget M = ``n``), one call of :meth:`ARPORollout.agenera
    Fresh fills start as soon as the budget left exceeds the most that branching could still take, instead
    of after the group finishes: the same decisions, fewer rounds. That most is a look-ahead, not a worst
    case: every future decision's draws are known in advance (see Determinism), and entropies lie in a known
-   range, so a candidate whose draw no reachable ΔH would fork is not counted (``_RolloutCall._tree_forks``). ``speculative_fill: K`` goes further and
+   range, so a candidate whose draw no reachable ΔH would fork is not counted (:mod:`arpo.rollout.branch_slots`). ``speculative_fill: K`` goes further and
    starts up to K fills per group with the initial rollouts, outside the budget: each is confirmed when
    the group turns out to need it and dropped (its tokens wasted, counted in ``rollout/tokens/discarded``)
    when branching takes its slot. Which fills survive depends only on how many are needed, never on their
@@ -72,7 +72,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
-import hashlib
 import logging
 import math
 import random
@@ -85,7 +84,8 @@ from typing import Any, Iterable, Mapping
 from arpo.batch import DataBatch, Trajectory, collate_trajectories
 from arpo.engine.base import GenerationEngine, GenerationOutput, SamplingParams
 from arpo.protocol import TOOL_TAGS, format_tool_result, parse_trailing_tool_call, stop_strings
-from arpo.rollout.branching import (BranchingConfig, GroupBudget, could_branch, max_window_entropy, should_branch,
+from arpo.rollout.branch_slots import GRANTS, ForkLookahead, GroupSlots, canonical
+from arpo.rollout.branching import (BranchingConfig, GroupBudget, derive_seed, max_window_entropy, should_branch,
                                      token_entropy, window_entropy)
 from arpo.rollout.tool_executor import ToolExecutor
 from tools.base import BaseTool
@@ -96,7 +96,6 @@ CONFIG_PREFIX = "actor_rollout_ref.rollout.arpo"
 MODES = ("arpo", "single")
 FILLS = ("fresh", "duplicate")
 SCHEDULES = ("async", "rounds")
-GRANTS = ("ordered", "first_come")
 
 
 @dataclass
@@ -217,12 +216,6 @@ class ARPORolloutConfig:
         return self.mode == "arpo" and self.beam_size > 1
 
 
-def derive_seed(*parts: Any) -> int:
-    """A stable 31-bit seed from any printable parts (Python's ``hash`` is salted per process)."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & 0x7FFFFFFF
-
-
 @dataclass
 class _Traj:
     """Mutable state of one trajectory inside one rollout call."""
@@ -262,17 +255,6 @@ class _Traj:
         self.response_ids.extend(ids)
         self.response_mask.extend([1 if model else 0] * len(ids))
         self.token_entropy.extend(entropy if entropy is not None else [math.nan] * len(ids))
-
-
-@dataclass
-class _Decision:
-    """A branching decision and the forks it asks for (see ``_RolloutCall._branch``)."""
-
-    traj: "_Traj"
-    depth: int  # the parent's tool-call count at the decision
-    pos: int  # response position the forks start from
-    wants: int  # forks the rule asked for
-    records: list[dict[str, Any]]  # the parent's tool-call records at the decision, for the forks
 
 
 class _BusyClock:
@@ -423,9 +405,7 @@ class _RolloutCall:
         #: window entropies are clipped into [0, h_max] (see _window)
         self.h_max = max_window_entropy(self.bcfg.window, self.bcfg.topk_logprobs, self.vocab_size,
                                         self.bcfg.entropy_reduction)
-        #: memos of _may_want and _tree_forks (pure functions of a decision's identity and ΔH range)
-        self.may_want_memo: dict[tuple, int] = {}
-        self.tree_forks_memo: dict[tuple, int] = {}
+        self.lookahead = ForkLookahead(self.bcfg, seed, cfg.n, cfg.tool_call_limit, self.h_max)
         self.tool_names = [n for n in self.executor.tool_names]
         self.close_tags = {TOOL_TAGS[n][1]: n for n in self.tool_names}
         want_logprobs = cfg.mode == "arpo" or cfg.return_entropy
@@ -444,9 +424,10 @@ class _RolloutCall:
         self.trajs: list[_Traj] = []
         self.by_group: list[list[_Traj]] = [[] for _ in prompts]
         self.budgets = [GroupBudget(cfg.n) for _ in prompts]
+        #: who gets each group's slots, and when (ordered grants, spare slots for fills)
+        self.slots = [GroupSlots(self.lookahead, self.budgets[g], g, self.by_group[g], self._first_decision_depth,
+                                 cfg.branch_grant) for g in range(len(prompts))]
         self.group_h0: list[float | None] = [None] * len(prompts)
-        #: branching decisions waiting for a slot, per group (see _branch)
-        self.pending: list[list[_Decision]] = [[] for _ in prompts]
         #: set once the group's initial entropy is known (``initial_entropy_scope: group``)
         self.h0_settled = [asyncio.Event() for _ in prompts]
         #: schedule async: one task per trajectory that has started, by tid
@@ -477,13 +458,12 @@ class _RolloutCall:
         """A copy of ``parent``'s first ``pos`` response tokens (the parent may have moved on since: its tokens
         are append-only) with ``records``, its tool-call records as they were when the fork was decided at
         call ``depth``. The fork's identity is (parent, depth, sibling number), known before ``pos`` is, so
-        the draws of its future decisions are known in advance too (see :meth:`_tree_forks`)."""
+        the draws of its future decisions are known in advance too (:mod:`arpo.rollout.branch_slots`)."""
         if records is None:
             records = [c for c in parent.tool_calls if c["end"] <= pos]
-        siblings = sum(1 for x in self.by_group[parent.group]
-                       if x.parent == parent.tid and x.key[len(parent.key)] == depth)
+        key = GroupSlots.fork_key(parent.key, depth, (x.key for x in self.by_group[parent.group]))
         child = self._new(
-            parent.group, kind, parent.key + (depth, siblings),
+            parent.group, kind, key,
             response_ids=parent.response_ids[:pos], response_mask=parent.response_mask[:pos],
             token_entropy=parent.token_entropy[:pos], parent=parent.tid, branch_pos=pos,
             tool_calls=copy.deepcopy(records), n_calls=len(records),
@@ -491,12 +471,6 @@ class _RolloutCall:
             seg_after_tool=bool(records) and records[-1]["end"] == pos,
         )
         return child
-
-    @staticmethod
-    def _canonical(t: _Traj) -> tuple:
-        """A trajectory's place in the group's fixed order: initial roots, then fills, forks after their parent
-        (by identity, never by creation time)."""
-        return (t.key[0] != "initial",) + t.key[1:]
 
     # ---- the loop -----------------------------------------------------------------------------------
     async def run(self) -> list[Trajectory]:
@@ -745,7 +719,7 @@ class _RolloutCall:
 
     def _window(self, lps: list[dict[int, float]]) -> float:
         # Clipped to what a distribution's top-k can give (only a broken engine's logprobs fall outside), so
-        # the look-ahead over future decisions in _tree_forks, which assumes that range, is never wrong.
+        # the look-ahead over future decisions (ForkLookahead), which assumes that range, is never wrong.
         h = window_entropy(lps, self.bcfg.window, self.vocab_size, self.bcfg.entropy_reduction)
         return min(max(h, 0.0), self.h_max)
 
@@ -866,40 +840,29 @@ class _RolloutCall:
         self._branch(t, self._window(t.seg_logprobs) - t.h_initial, t.branch_point, record)
 
     def _branch(self, t: _Traj, delta_h: float, pos: int, record: dict[str, Any]) -> None:
-        """One branching decision: ``beam_size - 1`` draws of the rule, from a generator seeded by the
-        trajectory's identity and call number, so no draw depends on the order decisions happen in.
-
-        ``branch_grant: ordered``: slots go to decisions in a fixed order — by tool-call depth, then the
-        trajectory's place in the group (:meth:`_canonical`), each taking what it asks for while slots last —
-        whatever the order they are taken in, so both schedules give the same batch for a seed. A decision
-        gets its forks at once when the slots left cover everything any other decision could still ask for
-        (then the order cannot matter); otherwise it waits in ``pending`` until every decision before it in
-        that order is known (:meth:`_resolve_pending`). The parent never waits: it goes on generating, and the
-        forks copy its tokens up to ``pos`` when they are granted. ``first_come``: every decision takes its
-        slots at once (the released code; under ``schedule: async`` the batch then depends on timing)."""
-        rng = random.Random(derive_seed(self.seed, "branch", t.group, t.key, t.n_calls))
+        """One branching decision: ``beam_size - 1`` draws of the rule, from the decision's own generator
+        (seeded by the trajectory's identity and call number), then slots from the group's
+        :class:`~arpo.rollout.branch_slots.GroupSlots`: at once, or, under ``branch_grant: ordered`` when
+        other decisions could still compete for the slots, once its turn in the fixed order comes. The
+        parent never waits: it goes on generating, and the forks copy its tokens up to ``pos`` (and its
+        records as they are now) when they are granted."""
+        rng = self.lookahead.rng(t.group, t.key, t.n_calls)
         record["delta_entropy"] = delta_h
         self.m.values["delta_entropy"].append(delta_h)
         self.m.count["branch_points"] += 1
         wants = sum(should_branch(self.bcfg, delta_h, rng) for _ in range(self.bcfg.beam_size - 1))
-        budget = self.budgets[t.group]
-        if wants == 0 or budget.remaining == 0:  # slots are never given back: 0 now is 0 in any order
+        if wants == 0 or self.budgets[t.group].remaining == 0:
             return
         # the records as they are now: the parent updates its last one later (entropy after the tool)
         records = copy.deepcopy([c for c in t.tool_calls if c["end"] <= pos])
-        decision = _Decision(t, t.n_calls, pos, wants, records)
-        uncontended = budget.remaining - self._forks_bound(t.group, exclude=t) >= wants
-        if self.cfg.branch_grant == "first_come" or uncontended:
-            self._grant(decision)
-        else:
-            self.pending[t.group].append(decision)
-            self.m.count["decisions_waited"] += 1
+        depth = t.n_calls
 
-    def _grant(self, d: _Decision) -> None:
-        granted = self.budgets[d.traj.group].reserve(d.wants)
-        for _ in range(granted):
-            self._fork(d.traj, d.pos, d.depth, records=d.records)
-        self.m.count["branches"] += granted
+        def grant(granted: int) -> None:
+            for _ in range(granted):
+                self._fork(t, pos, depth, records=records)
+            self.m.count["branches"] += granted
+
+        self.slots[t.group].offer(t, depth, wants, grant)
 
     def _first_decision_depth(self, t: _Traj) -> int | None:
         """Tool-call depth of the next decision ``t`` can still take (None: none)."""
@@ -908,67 +871,6 @@ class _RolloutCall:
         if t.phase == "probe":  # timing paper: the decision at the current result is still to come
             return t.n_calls
         return t.n_calls + 1 if t.n_calls < self.cfg.tool_call_limit else None
-
-    def _delta_range(self, h0: float | None) -> tuple[float, float]:
-        """The ΔH a trajectory with initial entropy ``h0`` (None: not known yet) can reach."""
-        if h0 is None:
-            return -self.h_max, self.h_max
-        return -h0, self.h_max - h0
-
-    def _may_want(self, g: int, key: tuple, h0: float | None, depth: int) -> int:
-        """How many of the decision's candidates could ask for a fork, from the draws it will make (the same
-        generator as :meth:`_branch`) and the ΔH range its trajectory can reach."""
-        memo_key = (g, key, h0, depth)
-        if memo_key not in self.may_want_memo:
-            lo, hi = self._delta_range(h0)
-            rng = random.Random(derive_seed(self.seed, "branch", g, key, depth))
-            self.may_want_memo[memo_key] = sum(could_branch(self.bcfg, lo, hi, rng)
-                                               for _ in range(self.bcfg.beam_size - 1))
-        return self.may_want_memo[memo_key]
-
-    def _tree_forks(self, g: int, key: tuple, h0: float | None, first_depth: int) -> int:
-        """Most forks (capped at M) the decisions of trajectory ``key`` at depths ``first_depth`` … the call
-        limit, and those of the forks they may make, can take. Every decision's draws are known in advance
-        (its generator is seeded by the trajectory's identity and depth, and a fork's identity is its parent's
-        plus (depth, sibling)), so only candidates that some reachable ΔH would fork are counted."""
-        memo_key = (g, key, h0, first_depth)
-        if memo_key in self.tree_forks_memo:
-            return self.tree_forks_memo[memo_key]
-        total, cap = 0, self.cfg.n
-        for depth in range(first_depth, self.cfg.tool_call_limit + 1):
-            for sibling in range(self._may_want(g, key, h0, depth)):
-                total += 1 + self._tree_forks(g, key + (depth, sibling), h0, depth + 1)
-                if total >= cap:
-                    break
-            if total >= cap:
-                break
-        self.tree_forks_memo[memo_key] = total = min(total, cap)
-        return total
-
-    def _earliest_wanting_depth(self, t: _Traj) -> int | None:
-        """Depth of the first decision of ``t`` that could ask for forks (None: none can). Decisions that can
-        ask for nothing take no slot, so ordered grants need not wait for them; ``t``'s forks decide only
-        after that depth."""
-        first = self._first_decision_depth(t)
-        if first is None:
-            return None
-        return next((d for d in range(first, self.cfg.tool_call_limit + 1)
-                     if self._may_want(t.group, t.key, t.h_initial, d)), None)
-
-    def _resolve_pending(self, g: int) -> None:
-        """Grant the group's waiting decisions in the fixed order, each as soon as no decision before it in
-        that order can still appear and ask for forks (every other trajectory has passed its depth, finished,
-        or has no draw left that could fork before it)."""
-        pending = self.pending[g]
-        while pending:
-            first = min(pending, key=lambda d: (d.depth, self._canonical(d.traj)))
-            place = (first.depth, self._canonical(first.traj))
-            for t in self.by_group[g]:
-                depth = self._earliest_wanting_depth(t)
-                if depth is not None and (depth, self._canonical(t)) < place:
-                    return
-            pending.remove(first)
-            self._grant(first)
 
     def _finish(self, t: _Traj, reason: str) -> None:
         t.phase, t.finish_reason = "done", reason
@@ -980,36 +882,20 @@ class _RolloutCall:
         if self.progress is not None:
             self.progress.update(1)
 
-    def _max_future_forks(self, t: _Traj) -> int:
-        """Most forks ``t`` and the forks it may still spawn can ever take."""
-        first = self._first_decision_depth(t)
-        return 0 if first is None else self._tree_forks(t.group, t.key, t.h_initial, first)
-
-    def _forks_bound(self, g: int, exclude: _Traj | None = None) -> int:
-        """Most slots the group's decisions still to come (of every active trajectory but ``exclude``) and its
-        waiting decisions (with the forks they would make) can take."""
-        bound = sum(self._max_future_forks(t) for t in self.by_group[g] if t is not exclude)
-        for d in self.pending[g]:
-            t = d.traj
-            bound += sum(1 + self._tree_forks(g, t.key + (d.depth, j), t.h_initial, d.depth + 1)
-                         for j in range(d.wants))
-        return bound
-
     def _fill(self, groups: Iterable[int]) -> None:
         """Give groups their missing trajectories. Fresh fills start as soon as the budget left exceeds what
         branching could still take (so they need not wait for the group to finish; fill roots never branch,
         so every branching decision sees the same budget as with filling at the end). Duplicates need the
         group's last trajectory, so they wait until the group has finished."""
         for g in groups:
-            self._resolve_pending(g)
+            self.slots[g].resolve()
             group = self.by_group[g]
             budget = self.budgets[g]
             if budget.remaining == 0 and not any(t.speculative for t in group):
                 continue
             active = [t for t in group if t.phase != "done" and not t.speculative]
             if self.cfg.fill == "fresh":
-                surplus = budget.remaining - self._forks_bound(g)
-                granted = budget.reserve(surplus) if surplus > 0 else 0
+                granted = budget.reserve(self.slots[g].spare())
                 spec = [t for t in group if t.speculative]
                 for t in spec[:granted]:  # confirm speculative fills first: they are ahead
                     t.speculative = False
@@ -1024,9 +910,9 @@ class _RolloutCall:
                     t.speculative, t.discarded, t.phase = False, True, "done"
                     self.m.count["fill_discarded"] += 1
                     self.m.count["tokens_discarded"] += sum(t.response_mask)
-            elif not active and not self.pending[g]:
+            elif not active and not self.slots[g].pending:
                 granted = budget.reserve(budget.remaining)
-                last = max((t for t in group if not t.discarded), key=self._canonical)
+                last = max((t for t in group if not t.discarded), key=lambda t: canonical(t.key))
                 for _ in range(granted):
                     dup = self._fork(last, len(last.response_ids), self.cfg.tool_call_limit + 1, kind="duplicate")
                     dup.phase, dup.finish_reason = "done", last.finish_reason
@@ -1039,7 +925,7 @@ class _RolloutCall:
         # Rows in tree order by identity (initial roots, then fills, each followed by its forks), which does
         # not depend on the order trajectories were created in; a parent always precedes its children.
         ordered = sorted((t for t in self.trajs if not t.discarded),
-                         key=lambda t: (t.group,) + self._canonical(t))
+                         key=lambda t: (t.group,) + canonical(t.key))
         assert all(not t.speculative for t in ordered), "a speculative fill was neither confirmed nor dropped"
 
         index = {t.tid: i for i, t in enumerate(ordered)}
@@ -1062,7 +948,7 @@ class _RolloutCall:
             "rollout/trajectories": float(len(self.trajs)),
             "rollout/branches": float(c["branches"]),
             "rollout/branch_points": float(c["branch_points"]),
-            "rollout/branch_decisions_waited": float(c["decisions_waited"]),
+            "rollout/branch_decisions_waited": float(sum(slots.waited for slots in self.slots)),
             "rollout/fill_fresh": float(c["fill_fresh"]),
             "rollout/fill_duplicate": float(c["fill_duplicate"]),
             "rollout/fill_discarded": float(c["fill_discarded"]),

@@ -37,10 +37,12 @@ group never exceeds its budget M.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 RULES = ("code", "paper")
 TIMINGS = ("code", "paper")
@@ -145,6 +147,19 @@ def max_window_entropy(window: int, topk: int, vocab_size: int, reduction: str =
     mass = min(1.0, k / math.e)
     per_token = mass * math.log(k / mass)
     return per_token * (window if reduction == "sum" else 1) / math.log(vocab_size)
+
+
+def derive_seed(*parts: Any) -> int:
+    """A stable 31-bit seed from any printable parts (Python's ``hash`` is salted per process)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def decision_rng(seed: int, group: int, key: tuple, depth: int) -> random.Random:
+    """The generator of one branching decision: the one of trajectory ``key`` of prompt ``group`` after its
+    ``depth``-th tool call. Its own generator (not one per group consumed in arrival order), so no draw
+    depends on the order decisions are taken in, and a decision's draws are known before it is taken."""
+    return random.Random(derive_seed(seed, "branch", group, key, depth))
 
 
 def _branches(cfg: BranchingConfig, delta_h: float, u: float) -> bool:

@@ -31,13 +31,14 @@ def tool_policy(max_calls: int, p_call: float = 0.75):
     return policy
 
 
-def run_group(tokenizer, engine, n, response_length=600, max_user_turns=None, **loop_kwargs):
+def run_group(tokenizer, engine, n, response_length=600, max_user_turns=None, request_seed=None, **loop_kwargs):
     config = AgentLoopConfig.load({"response_length": response_length,
                                    "multi_turn": {"max_user_turns": max_user_turns}})
     manager = AgentLoopManager([engine], tokenizer, config, [EchoSearch()])
     try:
         loop = ARPOAgentLoop(manager.context, **{"return_entropy": True, **loop_kwargs})
-        outs = asyncio.run(loop.run(list(USER), SamplingParams(max_tokens=response_length), n=n))
+        params = SamplingParams(max_tokens=response_length, seed=request_seed)
+        outs = asyncio.run(loop.run(list(USER), params, n=n))
     finally:
         manager.close()
     return outs
@@ -89,7 +90,9 @@ def test_property_exactly_m_shared_prefixes_and_masks(tokenizer, n, initial, bea
                                 "initial_entropy_scope": scope, "window": 5})
     check_tree(tokenizer, engine, outs, n)
     kinds = [o.extra["rollout_kind"] for o in outs]
-    assert kinds[:initial] == ["initial"] * initial and kinds.count("initial") == initial
+    # tree order: initial roots (each followed by its forks), then fills
+    assert kinds[0] == "initial" and kinds.count("initial") == initial
+    assert all(k != "initial" for k in kinds[kinds.index("fill"):]) if "fill" in kinds else True
     if beam == 1 or calls == 0:
         assert "branch" not in kinds
 
@@ -187,13 +190,15 @@ def test_fill_with_fresh_roots_when_branching_cannot_spend_the_budget(tokenizer)
     assert [o.extra["rollout_kind"] for o in outs] == ["initial"] * 2 + ["fill"] * 4
 
 
-@pytest.mark.parametrize("limit, concurrent", [(1, 4), (None, 2)])
-def test_spare_slots_start_fresh_roots_without_waiting_for_the_group(tokenizer, limit, concurrent):
+@pytest.mark.parametrize("limit, prob, concurrent", [(1, 1.0, 4), (None, 1.0, 2), (1, 0.0, 6), (None, 0.0, 2)])
+def test_spare_slots_start_fresh_roots_without_waiting_for_the_group(tokenizer, limit, prob, concurrent):
     # M=6, N=2, beam 2. With one call allowed, each root can fork at most once, so 2 of the 4 free slots are
-    # spare from the start and two fresh roots run alongside the initial ones; without a call limit the
-    # forks a root may make are unbounded and the fill waits for the roots to finish.
+    # spare from the start and two fresh roots run alongside the initial ones; when no draw can fork (the
+    # look-ahead knows every decision's draws), all 4 are. Without a call limit the forks a root may make
+    # are unbounded and the fill waits for the roots to finish.
     engine = ScriptedEngine(tokenizer, policy=tool_policy(0), delay_s=0.02)
-    outs = run_group(tokenizer, engine, 6, initial_rollouts=2, seed=0, max_user_turns=limit)
+    outs = run_group(tokenizer, engine, 6, initial_rollouts=2, seed=0, max_user_turns=limit,
+                     branching={"branch_probability": prob, "entropy_weight": 0.0})
     check_tree(tokenizer, engine, outs, 6)
     first_end = next(i for i, (kind, _) in enumerate(engine.events) if kind == "end")
     assert sum(kind == "start" for kind, _ in engine.events[:first_end]) == concurrent
@@ -207,3 +212,47 @@ def test_bad_config_names_the_key(tokenizer):
         run_group(tokenizer, engine, 4, branching={"beams": 2})
     with pytest.raises(ValueError, match="initial_rollouts"):
         run_group(tokenizer, engine, 4, initial_rollouts=5)
+
+
+class SeededEngine(ScriptedEngine):
+    """Replies depend on the context and the request's seed only (not on ids or timing), after a random delay,
+    so completion order changes from run to run while every request's output stays the same."""
+
+    def __init__(self, tokenizer, order_seed: int):
+        super().__init__(tokenizer, policy=self._reply, vary_logprobs=True)
+        self.order = random.Random(order_seed)
+        self.seed = None
+
+    def _reply(self, prompt_text: str, request_id: str) -> str:
+        turn = turn_index(prompt_text)
+        rng = random.Random(f"{self.seed}|{prompt_text}")
+        if turn < 3 and rng.random() < 0.8:
+            return f"<think>step {turn} {rng.randint(0, 99)}</think><search>q{turn} {rng.randint(0, 9)}</search>"
+        return f"<answer>\\boxed{{{rng.randint(0, 9)}}}</answer>"
+
+    async def generate(self, prompt_ids, sampling_params, request_id):
+        self.seed = sampling_params.seed  # read synchronously, before the first await below
+        delay = self.order.random() * 0.003
+        out = await super().generate(prompt_ids, sampling_params, request_id)
+        await asyncio.sleep(delay)
+        return out
+
+
+@pytest.mark.parametrize("timing", ["code", "paper"])
+def test_same_group_whatever_the_completion_order(tokenizer, timing):
+    # The budget binds (3 roots, beam 3, up to 3 calls each, M = 8): which decisions get the slots must not
+    # depend on which requests come back first.
+    def run(order_seed, grant="ordered"):
+        engine = SeededEngine(tokenizer, order_seed)
+        outs = run_group(tokenizer, engine, 8, initial_rollouts=3, seed=5, max_user_turns=3, request_seed=11,
+                         branch_grant=grant, branching={"beam_size": 3, "branch_probability": 0.6,
+                                                        "timing": timing, "window": 5})
+        check_tree(tokenizer, engine, outs, 8)
+        return [(o.response_ids, o.parent, o.branch_pos, o.extra["rollout_kind"]) for o in outs]
+
+    first = run(0)
+    assert sum(kind == "branch" for *_, kind in first) > 0
+    assert all(run(order) == first for order in (1, 2, 3))
+    assert len(run(1, grant="first_come")) == 8
+    with pytest.raises(ValueError, match="branch_grant"):
+        run(0, grant="whenever")

@@ -270,12 +270,12 @@ def test_look_ahead_over_future_draws_never_undercounts(seed, monkeypatch):
     for t in live:
         for depth in range(1, call.cfg.tool_call_limit + 1):
             made = sum(1 for f in forks if f.parent == t.tid and f.key[len(t.key)] == depth)
-            assert made <= call._may_want(t.group, t.key, t.h_initial, depth)
-            assert made <= call._may_want(t.group, t.key, None, depth)
+            assert made <= call.lookahead.may_want(t.group, t.key, t.h_initial, depth)
+            assert made <= call.lookahead.may_want(t.group, t.key, None, depth)
     for r in (t for t in live if t.kind == "initial"):
         descendants = sum(1 for f in forks if root_of(f) is r)
-        assert descendants <= call._tree_forks(r.group, r.key, r.h_initial, 1)
-        assert descendants <= call._tree_forks(r.group, r.key, None, 1)
+        assert descendants <= call.lookahead.tree_forks(r.group, r.key, r.h_initial, 1)
+        assert descendants <= call.lookahead.tree_forks(r.group, r.key, None, 1)
     # the look-ahead assumes window entropies in [0, h_max]
     assert all(0.0 <= h <= call.h_max for h in call.m.values["entropy_initial"] + call.m.values["entropy_before_tool"])
 

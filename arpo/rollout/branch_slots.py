@@ -1,0 +1,187 @@
+"""Who gets a prompt group's trajectory slots, and when: ordered grants to branching decisions, and the
+look-ahead that tells when slots are spare for fresh fills.
+
+Shared by the ARPO rollout (:mod:`arpo.rollout.arpo_rollout`) and the ARPO agent loop
+(:mod:`arpo.agent_loop.arpo_agent_loop`); the decision rule itself is :mod:`arpo.rollout.branching`.
+
+**Identity.** A trajectory's *key* is ``("initial", i)``, ``("fill", i)``, or its parent's key plus
+``(depth, j)`` for the parent's ``j``-th fork at the decision after its ``depth``-th tool call. Keys do not
+depend on the order trajectories are created in, and each decision draws from its own generator seeded by
+(seed, group, key, depth) (:func:`~arpo.rollout.branching.decision_rng`).
+
+**Look-ahead** (:class:`ForkLookahead`). So the draws of every decision still to come — of trajectories that
+exist and of forks not yet made — are known before it is taken. Window entropies lie in ``[0, h_max]``
+(:func:`~arpo.rollout.branching.max_window_entropy`; the callers clip to it), so a trajectory whose initial
+entropy is known can only reach ΔH in ``[−h0, h_max − h0]``, and a fork candidate whose draw no reachable ΔH
+would fork can never take a slot. The most forks a trajectory and its descendants can still take is the sum
+over its remaining decisions' possible candidates, recursively (capped at M).
+
+**Ordered grants** (:class:`GroupSlots`). Slots go to decisions in a fixed order — tool-call depth, then the
+trajectory's place in the tree (:func:`canonical`) — each taking what it asks for while slots last,
+whatever order decisions arrive in, so a deterministic engine gives the same batch under any schedule. A
+decision takes its forks at once when the slots left cover the most every other decision could still ask
+for; otherwise it waits until no decision before it in that order can still appear and ask for a fork.
+``first_come`` (the released code) grants as decisions arrive. Fresh fills take the slots left over once
+that most is subtracted, at any time: fills never branch, so branching sees the same budget as if they came
+last.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from arpo.rollout.branching import BranchingConfig, GroupBudget, could_branch, decision_rng
+
+GRANTS = ("ordered", "first_come")
+
+
+def canonical(key: tuple) -> tuple:
+    """A trajectory's place in its group's fixed order: initial roots, then fills, each followed by its forks
+    (a key extends its parent's, so it sorts right after it)."""
+    return (key[0] != "initial",) + tuple(key[1:])
+
+
+class ForkLookahead:
+    """The most forks future branching decisions can take, from their draws (known in advance) and the ΔH
+    range their trajectories can reach. Results are memoised: they are pure functions of their arguments."""
+
+    def __init__(self, cfg: BranchingConfig, seed: int, budget: int, call_limit: int | None, h_max: float):
+        self.cfg, self.seed, self.budget, self.call_limit, self.h_max = cfg, seed, budget, call_limit, h_max
+        self._wants: dict[tuple, int] = {}
+        self._trees: dict[tuple, int] = {}
+
+    def rng(self, group: int, key: tuple, depth: int) -> random.Random:
+        """The generator of the decision of trajectory ``key`` after its ``depth``-th tool call."""
+        return decision_rng(self.seed, group, key, depth)
+
+    def delta_range(self, h0: float | None) -> tuple[float, float]:
+        """The ΔH a trajectory with initial entropy ``h0`` (None: not known yet) can reach."""
+        if h0 is None:
+            return -self.h_max, self.h_max
+        return -h0, self.h_max - h0
+
+    def may_want(self, group: int, key: tuple, h0: float | None, depth: int) -> int:
+        """How many of the decision's ``beam_size − 1`` candidates could ask for a fork."""
+        memo = (group, key, h0, depth)
+        if memo not in self._wants:
+            lo, hi = self.delta_range(h0)
+            rng = self.rng(group, key, depth)
+            self._wants[memo] = sum(could_branch(self.cfg, lo, hi, rng) for _ in range(self.cfg.beam_size - 1))
+        return self._wants[memo]
+
+    def tree_forks(self, group: int, key: tuple, h0: float | None, first_depth: int) -> int:
+        """Most forks (capped at M) the decisions of trajectory ``key`` at depths ``first_depth`` … the call
+        limit, and those of the forks they may make, can take. Without a call limit: M (no bound)."""
+        if self.cfg.beam_size <= 1:
+            return 0
+        if self.call_limit is None:
+            return self.budget
+        memo = (group, key, h0, first_depth)
+        if memo in self._trees:
+            return self._trees[memo]
+        total = 0
+        for depth in range(first_depth, self.call_limit + 1):
+            for j in range(self.may_want(group, key, h0, depth)):
+                total += 1 + self.tree_forks(group, key + (depth, j), h0, depth + 1)
+                if total >= self.budget:
+                    break
+            if total >= self.budget:
+                break
+        self._trees[memo] = total = min(total, self.budget)
+        return total
+
+    def earliest_wanting_depth(self, group: int, key: tuple, h0: float | None, first_depth: int) -> int | None:
+        """Depth of the first decision from ``first_depth`` on that could ask for a fork (None: none can).
+        The trajectory's forks decide only after it."""
+        if self.cfg.beam_size <= 1:
+            return None
+        if self.call_limit is None:
+            return first_depth
+        return next((d for d in range(first_depth, self.call_limit + 1) if self.may_want(group, key, h0, d)), None)
+
+
+@dataclass
+class PendingDecision:
+    """A decision that asked for forks and waits for its turn in the grant order."""
+
+    member: Any
+    depth: int
+    wants: int
+    #: called with the number of slots granted; creates that many forks (siblings 0, 1, ...)
+    grant: Callable[[int], None]
+
+
+class GroupSlots:
+    """One prompt group's budget M in one rollout call: ordered (or first-come) grants to branching decisions,
+    and the slots spare for fills. ``members`` is the caller's list of the group's trajectories (it grows as
+    they are created); each has ``key`` and ``h_initial``, and ``first_depth(member)`` gives the depth of the
+    next decision it can still take (None: it takes no more: finished, a fill, out of calls)."""
+
+    def __init__(self, lookahead: ForkLookahead, budget: GroupBudget, group: int, members: list,
+                 first_depth: Callable[[Any], int | None], grant_order: str = "ordered"):
+        if grant_order not in GRANTS:
+            raise ValueError(f"branch_grant={grant_order!r} is invalid; use one of {GRANTS}")
+        self.lookahead, self.budget, self.group = lookahead, budget, group
+        self.members, self.first_depth, self.grant_order = members, first_depth, grant_order
+        self.pending: list[PendingDecision] = []
+        #: decisions that had to wait for their turn (metric)
+        self.waited = 0
+
+    def _future_forks(self, member: Any) -> int:
+        first = self.first_depth(member)
+        return 0 if first is None else self.lookahead.tree_forks(self.group, member.key, member.h_initial, first)
+
+    def forks_bound(self, exclude: Any = None) -> int:
+        """Most slots the decisions still to come (of every member but ``exclude``) and the waiting decisions
+        (with the forks they would make) can take."""
+        bound = sum(self._future_forks(m) for m in self.members if m is not exclude)
+        for d in self.pending:
+            m = d.member
+            bound += sum(1 + self.lookahead.tree_forks(self.group, m.key + (d.depth, j), m.h_initial, d.depth + 1)
+                         for j in range(d.wants))
+        return bound
+
+    def offer(self, member: Any, depth: int, wants: int, grant: Callable[[int], None]) -> bool:
+        """A decision of ``member`` after its ``depth``-th call asks for ``wants`` forks: grant them now
+        (``grant(n)`` with the slots reserved) or queue the decision; True if it was settled now. The member
+        must already count as past this decision in ``first_depth``."""
+        if wants == 0 or self.budget.remaining == 0:  # slots are never given back: 0 now is 0 in any order
+            return True
+        uncontended = self.budget.remaining - self.forks_bound(exclude=member) >= wants
+        if self.grant_order == "first_come" or uncontended:
+            grant(self.budget.reserve(wants))
+            return True
+        self.pending.append(PendingDecision(member, depth, wants, grant))
+        self.waited += 1
+        return False
+
+    def resolve(self) -> None:
+        """Grant waiting decisions in the fixed order, each once no decision before it can still appear and
+        ask for forks (every other member has passed its depth, finished, or has no draw left that could
+        fork before it)."""
+        while self.pending:
+            first = min(self.pending, key=lambda d: (d.depth, canonical(d.member.key)))
+            place = (first.depth, canonical(first.member.key))
+            for m in self.members:
+                start = self.first_depth(m)
+                if start is None:
+                    continue
+                depth = self.lookahead.earliest_wanting_depth(self.group, m.key, m.h_initial, start)
+                if depth is not None and (depth, canonical(m.key)) < place:
+                    return
+            self.pending.remove(first)
+            first.grant(self.budget.reserve(first.wants))
+
+    def spare(self) -> int:
+        """Slots no branching decision can take any more: the fills' (call :meth:`resolve` first, so that
+        decisions whose turn has come hold their slots)."""
+        return max(0, self.budget.remaining - self.forks_bound())
+
+    @staticmethod
+    def fork_key(parent_key: tuple, depth: int, existing: Iterable[tuple]) -> tuple:
+        """The key of the parent's next fork at ``depth``, given the keys of the group's trajectories."""
+        n = len(parent_key)
+        siblings = sum(1 for k in existing if len(k) == n + 2 and k[:n] == parent_key and k[n] == depth)
+        return parent_key + (depth, siblings)
