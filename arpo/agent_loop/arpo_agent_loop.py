@@ -11,8 +11,8 @@ when) — and each copy continues as a new coroutine at once, without waiting fo
 * ``timing: paper`` — ΔH from the first ``window`` tokens generated after the result; the parent
   generates its next segment, measures it, and forks copies of its state at the end of the result.
 
-Every decision draws from its own generator, seeded by the loop's seed, the request seed, the trajectory's
-identity and its tool-turn count, so no draw depends on completion order. Slots of the group's budget go to
+Every decision draws from its own generator, seeded by the loop's seed, the request seed, the prompt, the
+trajectory's identity and its tool-turn count, so no draw depends on completion order. Slots of the group's budget go to
 decisions in a fixed order (``branch_grant: ordered``, default: tool-turn depth, then place in the tree) or
 as they come (``first_come``, the released code). Slots that no decision can reach any more — known early,
 because future decisions' draws are known in advance — go at once to fresh roots, which fill the group to
@@ -108,10 +108,11 @@ class ARPOAgentLoop(ToolAgentLoop):
         self.branches: list[_Branch] = []
         self.tasks: set[asyncio.Task] = set()
         self.params = self.sampling_params(sampling_params).with_(logprobs=self.bcfg.topk_logprobs)
-        self.lookahead = ForkLookahead(self.bcfg, derive_seed(self.seed, self.params.seed), n,
+        self.prompt_ids = self.ctx.templater.prompt_ids(messages, with_tools=self.format == "hermes")
+        # the prompt in the seed: groups of one batch (one loop seed) must not share their draws
+        self.lookahead = ForkLookahead(self.bcfg, derive_seed(self.seed, self.params.seed, self.prompt_ids), n,
                                        self.ctx.multi_turn.max_user_turns or None, self.h_max)
         self.slots = GroupSlots(self.lookahead, self.budget, 0, self.branches, self._first_depth, self.branch_grant)
-        self.prompt_ids = self.ctx.templater.prompt_ids(messages, with_tools=self.format == "hermes")
         # Group scope: H_initial is the mean of the initial roots' first windows, known once all have one.
         self.root_h0: list[float | None] = []
         self.group_h0: asyncio.Future = asyncio.get_running_loop().create_future()
