@@ -18,8 +18,9 @@ run: install
 	$(PY) -m arpo.pipeline --output-dir $(OUT)
 
 # The whole suite, slow tests (real vLLM, Ray, FSDP2, SFT) included. pytest's exit 5 (nothing collected) is an error.
+# The 20 slowest tests are listed at the end, to keep the suite's time in view.
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=20 $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
