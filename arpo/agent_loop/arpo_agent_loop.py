@@ -38,8 +38,7 @@ from arpo.agent_loop.base import AgentLoopContext, AgentLoopOutput, register
 from arpo.agent_loop.tool_agent_loop import Conversation, ToolAgentLoop
 from arpo.engine.base import GenerationOutput, SamplingParams
 from arpo.rollout.branch_slots import GRANTS, ForkLookahead, GroupSlots, canonical
-from arpo.rollout.branching import (BranchingConfig, GroupBudget, derive_seed, max_window_entropy, should_branch,
-                                     token_entropy, window_entropy)
+from arpo.rollout.branching import BranchingConfig, GroupBudget, derive_seed, should_branch, token_entropy
 
 
 @dataclass
@@ -91,8 +90,6 @@ class ARPOAgentLoop(ToolAgentLoop):
         #: record every response token's normalised entropy (``token_entropy``; NaN on tool tokens).
         self.return_entropy = return_entropy
         self.log_v = math.log(self.vocab_size)
-        self.h_max = max_window_entropy(self.bcfg.window, self.bcfg.topk_logprobs, self.vocab_size,
-                                        self.bcfg.entropy_reduction)
 
     # ------------------------------------------------------------------------------------- run
 
@@ -111,7 +108,7 @@ class ARPOAgentLoop(ToolAgentLoop):
         self.prompt_ids = self.ctx.templater.prompt_ids(messages, with_tools=self.format == "hermes")
         # the prompt in the seed: groups of one batch (one loop seed) must not share their draws
         self.lookahead = ForkLookahead(self.bcfg, derive_seed(self.seed, self.params.seed, self.prompt_ids), n,
-                                       self.ctx.multi_turn.max_user_turns or None, self.h_max)
+                                       self.ctx.multi_turn.max_user_turns or None, self.vocab_size)
         self.slots = GroupSlots(self.lookahead, self.budget, 0, self.branches, self._first_depth, self.branch_grant)
         # Group scope: H_initial is the mean of the initial roots' first windows, known once all have one.
         self.root_h0: list[float | None] = []
@@ -226,8 +223,7 @@ class ARPOAgentLoop(ToolAgentLoop):
     def _window(self, out: GenerationOutput) -> float | None:
         if not out.logprobs or len(out.logprobs) != len(out.token_ids):
             return None
-        h = window_entropy(out.logprobs, self.bcfg.window, self.vocab_size, self.bcfg.entropy_reduction)
-        return min(max(h, 0.0), self.h_max)  # the range the look-ahead assumes (only a broken engine leaves it)
+        return self.lookahead.window_entropy(out.logprobs)
 
     async def _record_initial(self, b: _Branch, h: float | None) -> None:
         if self.bcfg.initial_entropy_scope == "trajectory":

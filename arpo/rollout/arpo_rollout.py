@@ -24,11 +24,12 @@ Per prompt (a *group*, budget M = ``n``), one call of :meth:`ARPORollout.agenera
    Fresh fills start as soon as the budget left exceeds the most that branching could still take, instead
    of after the group finishes: the same decisions, fewer rounds. That most is a look-ahead, not a worst
    case: every future decision's draws are known in advance (see Determinism), and entropies lie in a known
-   range, so a candidate whose draw no reachable ΔH would fork is not counted (:mod:`arpo.rollout.branch_slots`). ``speculative_fill: K`` goes further and
-   starts up to K fills per group with the initial rollouts, outside the budget: each is confirmed when
-   the group turns out to need it and dropped (its tokens wasted, counted in ``rollout/tokens/discarded``)
-   when branching takes its slot. Which fills survive depends only on how many are needed, never on their
-   content, so the kept ones are unbiased fresh samples; the trade is extra compute for less latency.
+   range, so a candidate whose draw no reachable ΔH would fork is not counted
+   (:mod:`arpo.rollout.branch_slots`). ``speculative_fill: K`` goes further and starts up to K fills per
+   group with the initial rollouts, outside the budget: each is confirmed when the group turns out to need
+   it and dropped (its tokens wasted, counted in ``rollout/tokens/discarded``) when branching takes its slot.
+   Which fills survive depends only on how many are needed, never on their content, so the kept ones are
+   unbiased fresh samples; the trade is extra compute for less latency.
 
 Logprobs. Entropy uses the top-k logprobs of a segment's first ``entropy_window`` tokens. What they cost
 vLLM is mostly detokenising the k candidates of every token, so requests carrying them run without
@@ -56,9 +57,10 @@ error text result and count toward the limit.
 Determinism. Engine requests carry seeds derived from (call seed, group, trajectory, request number), and
 each branching decision draws from its own generator seeded by (call seed, group, trajectory, call number),
 so no draw depends on the order requests complete in. A trajectory's identity is its parent's plus (call
-number, sibling number), so the draws of decisions of forks not yet made are known too. With ``branch_grant: ordered`` (default) budget slots
-also go to decisions in a fixed order (see ``_RolloutCall._branch``), so a deterministic engine gives the
-same batch for a seed under either schedule, whatever order requests and tool calls complete in.
+number, sibling number), so the draws of decisions of forks not yet made are known too. With
+``branch_grant: ordered`` (default) budget slots also go to decisions in a fixed order (see
+:class:`~arpo.rollout.branch_slots.GroupSlots`), so a deterministic engine gives the same batch for a seed
+under either schedule, whatever order requests and tool calls complete in.
 ``first_come`` grants slots as decisions arrive: replayable under ``schedule: rounds`` (decisions are taken
 in a fixed order there), timing-dependent under ``async``. A call without an explicit seed uses ``seed``
 mixed with the call count, so a fresh generator replays the same sequence of batches.
@@ -85,8 +87,7 @@ from arpo.batch import DataBatch, Trajectory, collate_trajectories
 from arpo.engine.base import GenerationEngine, GenerationOutput, SamplingParams
 from arpo.protocol import TOOL_TAGS, format_tool_result, parse_trailing_tool_call, stop_strings
 from arpo.rollout.branch_slots import GRANTS, ForkLookahead, GroupSlots, canonical
-from arpo.rollout.branching import (BranchingConfig, GroupBudget, derive_seed, max_window_entropy, should_branch,
-                                     token_entropy, window_entropy)
+from arpo.rollout.branching import BranchingConfig, GroupBudget, derive_seed, should_branch, token_entropy
 from arpo.rollout.tool_executor import ToolExecutor
 from tools.base import BaseTool
 
@@ -402,10 +403,7 @@ class _RolloutCall:
         self.seed = seed
         self.vocab_size = cfg.vocab_size or len(self.tok)
         self.log_v = math.log(self.vocab_size)
-        #: window entropies are clipped into [0, h_max] (see _window)
-        self.h_max = max_window_entropy(self.bcfg.window, self.bcfg.topk_logprobs, self.vocab_size,
-                                        self.bcfg.entropy_reduction)
-        self.lookahead = ForkLookahead(self.bcfg, seed, cfg.n, cfg.tool_call_limit, self.h_max)
+        self.lookahead = ForkLookahead(self.bcfg, seed, cfg.n, cfg.tool_call_limit, self.vocab_size)
         self.tool_names = [n for n in self.executor.tool_names]
         self.close_tags = {TOOL_TAGS[n][1]: n for n in self.tool_names}
         want_logprobs = cfg.mode == "arpo" or cfg.return_entropy
@@ -687,7 +685,7 @@ class _RolloutCall:
         t.seg_logprobs.extend(lps[: max(0, self.bcfg.window - len(t.seg_logprobs))])
         self.m.count["tokens_generated"] += len(ids)
         if first_piece and lps:
-            h = self._window(lps)
+            h = self.lookahead.window_entropy(lps)
             if root_start:
                 t.own_h0 = h
                 self.m.values["entropy_initial"].append(h)
@@ -716,12 +714,6 @@ class _RolloutCall:
             if len(prev + self.tok.decode(ids[:m])) >= start + len(stop):
                 return ids[:m], lps[:m], "stop", stop
         return ids, lps, finish, stop_reason
-
-    def _window(self, lps: list[dict[int, float]]) -> float:
-        # Clipped to what a distribution's top-k can give (only a broken engine's logprobs fall outside), so
-        # the look-ahead over future decisions (ForkLookahead), which assumes that range, is never wrong.
-        h = window_entropy(lps, self.bcfg.window, self.vocab_size, self.bcfg.entropy_reduction)
-        return min(max(h, 0.0), self.h_max)
 
     def _settle_initial_entropy(self, groups: Iterable[int]) -> None:
         """Scope ``group``: once every initial root's first request is back, H_initial is the mean of their
@@ -799,7 +791,7 @@ class _RolloutCall:
 
     def _append_result(self, t: _Traj, tool: str, text: str, error: bool) -> None:
         cfg = self.cfg
-        h_before = self._window(t.seg_logprobs) if t.seg_logprobs else None
+        h_before = self.lookahead.window_entropy(t.seg_logprobs) if t.seg_logprobs else None
         if h_before is not None:
             self.m.values["entropy_before_tool"].append(h_before)
         ids = self.tok.encode(format_tool_result(text), add_special_tokens=False)
@@ -837,7 +829,7 @@ class _RolloutCall:
         record = t.tool_calls[-1]
         if not t.seg_logprobs or t.h_initial is None:
             return
-        self._branch(t, self._window(t.seg_logprobs) - t.h_initial, t.branch_point, record)
+        self._branch(t, self.lookahead.window_entropy(t.seg_logprobs) - t.h_initial, t.branch_point, record)
 
     def _branch(self, t: _Traj, delta_h: float, pos: int, record: dict[str, Any]) -> None:
         """One branching decision: ``beam_size - 1`` draws of the rule, from the decision's own generator

@@ -11,7 +11,8 @@ depend on the order trajectories are created in, and each decision draws from it
 
 **Look-ahead** (:class:`ForkLookahead`). So the draws of every decision still to come — of trajectories that
 exist and of forks not yet made — are known before it is taken. Window entropies lie in ``[0, h_max]``
-(:func:`~arpo.rollout.branching.max_window_entropy`; the callers clip to it), so a trajectory whose initial
+(:func:`~arpo.rollout.branching.max_window_entropy`; decisions measure them with
+:meth:`ForkLookahead.window_entropy`, which clips to that range), so a trajectory whose initial
 entropy is known can only reach ΔH in ``[−h0, h_max − h0]``, and a fork candidate whose draw no reachable ΔH
 would fork can never take a slot. The most forks a trajectory and its descendants can still take is the sum
 over its remaining decisions' possible candidates, recursively (capped at M).
@@ -32,7 +33,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from arpo.rollout.branching import BranchingConfig, GroupBudget, could_branch, decision_rng
+from arpo.rollout.branching import (BranchingConfig, GroupBudget, could_branch, decision_rng, max_window_entropy,
+                                     window_entropy)
 
 GRANTS = ("ordered", "first_come")
 
@@ -47,10 +49,18 @@ class ForkLookahead:
     """The most forks future branching decisions can take, from their draws (known in advance) and the ΔH
     range their trajectories can reach. Results are memoised: they are pure functions of their arguments."""
 
-    def __init__(self, cfg: BranchingConfig, seed: int, budget: int, call_limit: int | None, h_max: float):
-        self.cfg, self.seed, self.budget, self.call_limit, self.h_max = cfg, seed, budget, call_limit, h_max
+    def __init__(self, cfg: BranchingConfig, seed: int, budget: int, call_limit: int | None, vocab_size: int):
+        self.cfg, self.seed, self.budget, self.call_limit, self.vocab_size = cfg, seed, budget, call_limit, vocab_size
+        #: the largest window entropy a real distribution's top-k can give; every bound here assumes it
+        self.h_max = max_window_entropy(cfg.window, cfg.topk_logprobs, vocab_size, cfg.entropy_reduction)
         self._wants: dict[tuple, int] = {}
         self._trees: dict[tuple, int] = {}
+
+    def window_entropy(self, step_logprobs: list[dict[int, float]]) -> float:
+        """The window entropy branching decisions use: clipped into ``[0, h_max]`` (only a broken engine's
+        logprobs fall outside), so the look-ahead, which assumes that range, is never wrong."""
+        h = window_entropy(step_logprobs, self.cfg.window, self.vocab_size, self.cfg.entropy_reduction)
+        return min(max(h, 0.0), self.h_max)
 
     def rng(self, group: int, key: tuple, depth: int) -> random.Random:
         """The generator of the decision of trajectory ``key`` after its ``depth``-th tool call."""

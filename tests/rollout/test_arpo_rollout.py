@@ -277,7 +277,7 @@ def test_look_ahead_over_future_draws_never_undercounts(seed, monkeypatch):
         assert descendants <= call.lookahead.tree_forks(r.group, r.key, r.h_initial, 1)
         assert descendants <= call.lookahead.tree_forks(r.group, r.key, None, 1)
     # the look-ahead assumes window entropies in [0, h_max]
-    assert all(0.0 <= h <= call.h_max for h in call.m.values["entropy_initial"] + call.m.values["entropy_before_tool"])
+    assert all(0.0 <= h <= call.lookahead.h_max for h in call.m.values["entropy_initial"] + call.m.values["entropy_before_tool"])
 
 
 def test_first_come_grants_at_once_and_replays_under_rounds():

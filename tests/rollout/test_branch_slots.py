@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -19,7 +20,7 @@ class Member:
 
 def slots_for(members, total, cfg=None, call_limit=3, grant_order="ordered"):
     cfg = cfg or BranchingConfig(branch_probability=1.0, entropy_weight=0.0)
-    lookahead = ForkLookahead(cfg, seed=0, budget=total, call_limit=call_limit, h_max=0.4)
+    lookahead = ForkLookahead(cfg, seed=0, budget=total, call_limit=call_limit, vocab_size=1000)
     budget = GroupBudget(total)
     budget.reserve(len(members))
     return GroupSlots(lookahead, budget, 0, members, lambda m: m.next_depth, grant_order), budget
@@ -41,25 +42,28 @@ def test_lookahead_counts_the_whole_tree_when_every_draw_can_fork(limit):
     # beam 2, every candidate forks: each decision adds a fork that inherits the decisions after it, so a
     # root with `limit` decisions to come spawns 2^limit - 1 forks (capped at M)
     cfg = BranchingConfig(branch_probability=1.0, entropy_weight=0.0)
-    assert ForkLookahead(cfg, 0, 100, limit, 0.4).tree_forks(0, ("initial", 0), 0.1, 1) == 2 ** limit - 1
-    assert ForkLookahead(cfg, 0, 5, limit, 0.4).tree_forks(0, ("initial", 0), 0.1, 1) == min(5, 2 ** limit - 1)
-    assert ForkLookahead(cfg, 0, 100, limit, 0.4).tree_forks(0, ("initial", 0), 0.1, limit + 1) == 0
+    assert ForkLookahead(cfg, 0, 100, limit, 1000).tree_forks(0, ("initial", 0), 0.1, 1) == 2 ** limit - 1
+    assert ForkLookahead(cfg, 0, 5, limit, 1000).tree_forks(0, ("initial", 0), 0.1, 1) == min(5, 2 ** limit - 1)
+    assert ForkLookahead(cfg, 0, 100, limit, 1000).tree_forks(0, ("initial", 0), 0.1, limit + 1) == 0
     never = BranchingConfig(branch_probability=0.0, entropy_weight=0.0)
-    assert ForkLookahead(never, 0, 100, limit, 0.4).tree_forks(0, ("initial", 0), 0.1, 1) == 0
-    assert ForkLookahead(cfg, 0, 7, None, 0.4).tree_forks(0, ("initial", 0), 0.1, 1) == 7  # no call limit
+    assert ForkLookahead(never, 0, 100, limit, 1000).tree_forks(0, ("initial", 0), 0.1, 1) == 0
+    assert ForkLookahead(cfg, 0, 7, None, 1000).tree_forks(0, ("initial", 0), 0.1, 1) == 7  # no call limit
 
 
 def test_lookahead_uses_the_decisions_own_draws():
     # code rule p 0.5, w 0.2: a candidate can fork iff U - 0.2 * max ΔH <= 0.5; a known h0 narrows ΔH
     cfg = BranchingConfig(branch_probability=0.5, entropy_weight=0.2)
-    look = ForkLookahead(cfg, seed=3, budget=50, call_limit=6, h_max=0.4)
+    look = ForkLookahead(cfg, seed=3, budget=50, call_limit=6, vocab_size=1000)
+    h_max = look.h_max  # log(11) / log(1000): 11 entries (top 10 + the sampled token)
+    assert h_max == pytest.approx(math.log(11) / math.log(1000))
+    h0 = h_max - 0.1
     for depth in range(1, 7):
         u = look.rng(0, ("initial", 0), depth).random()
-        assert look.may_want(0, ("initial", 0), 0.3, depth) == int(u - 0.2 * 0.1 <= 0.5)
-        assert look.may_want(0, ("initial", 0), None, depth) == int(u - 0.2 * 0.4 <= 0.5)
+        assert look.may_want(0, ("initial", 0), h0, depth) == int(u - 0.2 * 0.1 <= 0.5)
+        assert look.may_want(0, ("initial", 0), None, depth) == int(u - 0.2 * h_max <= 0.5)
         # the draw is the one the decision makes
         assert should_branch(cfg, 0.1, look.rng(0, ("initial", 0), depth)) == bool(
-            look.may_want(0, ("initial", 0), 0.3, depth))
+            look.may_want(0, ("initial", 0), h0, depth))
 
 
 def test_a_contended_decision_waits_for_the_ones_before_it_in_the_order():
