@@ -12,6 +12,10 @@ from pathlib import Path
 
 import torch
 
+#: Engines checked against the float32 reference run in float32 too: dtype "auto" is bfloat16 on CUDA, whose logprobs
+#: differ from float32 by ~1e-2 and whose greedy choices may differ from the lessons (seen on an H100).
+REFERENCE_DTYPE = "float32"
+
 #: prompt -> continuation the taught model produces greedily (tags are single tokens in the tiny tokenizer).
 LESSONS = {
     "Question: where is the river? Plan:": "<think> look it up </think><search> river city </search>",

@@ -11,7 +11,7 @@ from arpo.engine.base import GenerationEngine, SamplingParams
 from arpo.engine.hf_engine import HFEngine, process_logits, top_logprobs
 from arpo.engine.weights import save_weights_for_engine
 from arpo.protocol import stop_strings
-from tests.engine.helpers import LESSONS, encode, reference_logprobs
+from tests.engine.helpers import LESSONS, REFERENCE_DTYPE, encode, reference_logprobs
 
 STOPS = tuple(stop_strings())  # ("</search>", "</python>")
 
@@ -48,7 +48,7 @@ def test_top_logprobs_always_holds_the_sampled_token():
 
 @pytest.fixture(scope="module")
 def taught(taught_model_dir):
-    return HFEngine({"model_path": taught_model_dir, "name": "hf"})
+    return HFEngine({"model_path": taught_model_dir, "name": "hf", "dtype": REFERENCE_DTYPE})
 
 
 def test_is_a_generation_engine(taught):
@@ -82,7 +82,7 @@ def test_eos_and_length(run, taught, taught_model_dir):
 
 
 def test_max_tokens_clipped_to_max_model_len(run, taught_model_dir):
-    engine = HFEngine({"model_path": taught_model_dir, "name": "hf", "max_model_len": 20})
+    engine = HFEngine({"model_path": taught_model_dir, "name": "hf", "dtype": REFERENCE_DTYPE, "max_model_len": 20})
     out = run(engine.generate(list(range(10, 25)), SamplingParams(temperature=1.0, max_tokens=50, seed=0), "r"))
     ended_on_eos = out.finish_reason == "stop" and out.token_ids[-1] in engine.eos_token_ids
     assert len(out.token_ids) <= 5 and (ended_on_eos or (out.finish_reason, len(out.token_ids)) == ("length", 5))
@@ -104,7 +104,8 @@ def test_logprobs_match_teacher_forcing(run, taught, taught_model_dir):
 
 
 def test_processed_logprobs_are_the_sampled_distribution(run, taught_model_dir):
-    engine = HFEngine({"model_path": taught_model_dir, "name": "hf", "logprobs_mode": "processed_logprobs"})
+    engine = HFEngine({"model_path": taught_model_dir, "name": "hf", "dtype": REFERENCE_DTYPE,
+                       "logprobs_mode": "processed_logprobs"})
     ids = encode(taught_model_dir, "the river")
     out = run(engine.generate(ids, SamplingParams(temperature=0.7, top_k=3, max_tokens=8, logprobs=3, seed=1), "p"))
     for step in out.logprobs:
@@ -115,7 +116,7 @@ def test_processed_logprobs_are_the_sampled_distribution(run, taught_model_dir):
 def test_seed_reproducible_alone_or_batched(run, tiny_model_dir):
     import asyncio
 
-    engine = HFEngine({"model_path": tiny_model_dir, "name": "hf"})
+    engine = HFEngine({"model_path": tiny_model_dir, "name": "hf", "dtype": REFERENCE_DTYPE})
     sp = SamplingParams(temperature=1.0, max_tokens=16, seed=123)
     alone = run(engine.generate([5, 6, 7], sp, "a"))
 
@@ -133,7 +134,7 @@ def test_seed_reproducible_alone_or_batched(run, tiny_model_dir):
 def test_update_weights_changes_outputs(run, tiny_model_dir, taught_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    engine = HFEngine({"model_path": tiny_model_dir, "name": "hf"})
+    engine = HFEngine({"model_path": tiny_model_dir, "name": "hf", "dtype": REFERENCE_DTYPE})
     prompt = next(iter(LESSONS))
     ids = encode(tiny_model_dir, prompt)
     sp = SamplingParams(temperature=0, max_tokens=40, stop=STOPS)

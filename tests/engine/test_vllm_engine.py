@@ -15,20 +15,20 @@ from arpo.engine.hf_engine import HFEngine  # noqa: E402
 from arpo.engine.vllm_engine import VLLMEngine  # noqa: E402
 from arpo.engine.weights import default_weights_dir, save_weights_for_engine  # noqa: E402
 from arpo.protocol import stop_strings  # noqa: E402
-from tests.engine.helpers import LESSONS, encode, reference_logprobs  # noqa: E402
+from tests.engine.helpers import LESSONS, REFERENCE_DTYPE, encode, reference_logprobs  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 STOPS = tuple(stop_strings())
-#: fp32 on CPU: vLLM's kernels and HF's eager attention agree far below this.
+#: both engines in float32: vLLM's kernels and HF's eager attention agree far below this.
 LOGPROB_ATOL = 2e-3
 
 
 @pytest.fixture(scope="module")
 def engine(run, taught_model_dir):
     async def start():
-        return VLLMEngine({"model_path": taught_model_dir, "name": "vllm", "max_model_len": 1024,
-                           "max_num_seqs": 64})
+        return VLLMEngine({"model_path": taught_model_dir, "name": "vllm", "dtype": REFERENCE_DTYPE,
+                           "max_model_len": 1024, "max_num_seqs": 64})
 
     eng = run(start())
     yield eng
@@ -57,7 +57,7 @@ def test_stop_tags_kept_in_text_with_reasons(run, engine, taught_model_dir, prom
 
 
 def test_eos_and_length_match_hf(run, engine, taught_model_dir):
-    hf = HFEngine({"model_path": taught_model_dir, "name": "hf"})
+    hf = HFEngine({"model_path": taught_model_dir, "name": "hf", "dtype": REFERENCE_DTYPE})
     ids = encode(taught_model_dir, next(iter(LESSONS)))
     greedy = run(hf.generate(ids, SamplingParams(temperature=0, max_tokens=60), "h"))
     for sp in (SamplingParams(temperature=0, max_tokens=60), SamplingParams(temperature=0, max_tokens=4),
@@ -85,7 +85,7 @@ def test_logprobs_agree_with_hf(run, engine, taught_model_dir):
         compared += len(sampled.token_ids)
     assert compared >= 8  # the taught model often ends early with EOS
 
-    hf = HFEngine({"model_path": taught_model_dir, "name": "hf"})
+    hf = HFEngine({"model_path": taught_model_dir, "name": "hf", "dtype": REFERENCE_DTYPE})
     sp = SamplingParams(temperature=0, max_tokens=32, logprobs=5)
     v, h = run(engine.generate(ids, sp, "g")), run(hf.generate(ids, sp, "g"))
     assert v.token_ids == h.token_ids
