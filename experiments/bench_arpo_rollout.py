@@ -8,7 +8,8 @@
 real :class:`~arpo.engine.base.GenerationEngine` (vLLM or HF backend); without it the scripted fake engine
 runs, with ``--latency-ms`` per request plus ``--token-latency-ms`` per generated token standing in for model
 time (requests overlap, so a round of requests costs about its longest one). ``--tools-factory module:function``
-(``f() -> list[BaseTool]``) plugs in real tools; the default is two instant deterministic tools.
+(``f() -> list[BaseTool]``) plugs in real tools; the default is two deterministic tools, instant unless
+``--tool-latency-ms`` delays each call.
 
 Prints one JSON object: per mode the median wall time, generated tokens, tokens/s, requests, rounds,
 branches, prefix-cache hit rate overall and on the first request of each branch, time in generation vs
@@ -17,7 +18,8 @@ tools; and for each ARPO mode its wall time over plain GRPO's (``arpo_over_singl
 whose speed drifts between runs disturbs less, and as ``…_min``: fastest run over fastest run, which bursts of
 other load on a shared machine disturb least.
 
-Modes: ``arpo`` and ``single`` (plain GRPO) always run; ``arpo_speculative_fill`` (``--speculative-fill`` speculative fills per group, default M − N);
+Modes: ``arpo`` and ``single`` (plain GRPO) always run; ``arpo_speculative_fill`` (``--speculative-fill``
+speculative fills per group, default M − N);
 ``single_logprobs`` and ``arpo_all_logprobs`` ask for top-k logprobs on every token (``return_entropy``),
 which shows what entropy measurement costs; ``arpo_first_come`` grants branch slots first come, first
 served instead of in a fixed order; ``arpo_fill_duplicate`` pads groups with copies of their last trajectory
@@ -36,6 +38,7 @@ import json
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +51,10 @@ from tools.base import BaseTool  # noqa: E402
 
 
 class _InstantTool(BaseTool):
-    """A deterministic tool with no latency, so the benchmark measures the rollout, not the tool."""
+    """A deterministic tool, instant unless ``--tool-latency-ms`` asks for a delay per call (a real search or
+    sandbox takes tens of milliseconds, which matters once generation is fast)."""
+
+    latency_s = 0.0
 
     def default_schema(self) -> dict[str, Any]:
         return {"type": "function", "function": {"name": self.name, "description": "benchmark tool",
@@ -56,6 +62,8 @@ class _InstantTool(BaseTool):
                                                       "input": {"type": "string"}}, "required": ["input"]}}}
 
     def call_text(self, content: str) -> str:
+        if self.latency_s:
+            time.sleep(self.latency_s)
         return f"{self.name} result for: {content.strip()[:200]}"
 
 
@@ -105,7 +113,12 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         engine = ScriptedEngine(policy=ScriptPolicy(), latency_s=args.latency_ms / 1000,
                                 token_latency_s=args.token_latency_ms / 1000)
         tokenizer, engine_name = engine.tokenizer, "scripted"
-    tools = _load(args.tools_factory)() if args.tools_factory else [_Search(), _Python()]
+    if args.tools_factory:
+        tools = _load(args.tools_factory)()
+    else:
+        tools = [_Search(), _Python()]
+        for tool in tools:
+            tool.latency_s = args.tool_latency_ms / 1000
     if args.data:
         import pandas as pd
 
@@ -181,6 +194,8 @@ def main() -> None:
     ap.add_argument("--initial", type=int, default=4, help="ARPO initial rollouts N")
     ap.add_argument("--max-response-length", type=int, default=1024)
     ap.add_argument("--tool-call-limit", type=int, default=3)
+    ap.add_argument("--tool-latency-ms", type=float, default=0.0,
+                    help="built-in tools only (no --tools-factory): delay per tool call")
     ap.add_argument("--timing", choices=["code", "paper"], default="code")
     ap.add_argument("--schedule", choices=["async", "rounds"], default="async",
                     help="rollout schedule of every mode except the *_rounds ones")
