@@ -19,7 +19,8 @@ whose speed drifts between runs disturbs less, and as ``…_min``: fastest run o
 other load on a shared machine disturb least.
 
 Modes: ``arpo`` and ``single`` (plain GRPO) always run; ``arpo_speculative_fill`` (``--speculative-fill``
-speculative fills per group, default M − N);
+speculative fills per group, default M − N); ``arpo_predicted_fill`` (fill prediction: a fill starts early
+once its group needs it with probability ``--fill-probability``);
 ``single_logprobs`` and ``arpo_all_logprobs`` ask for top-k logprobs on every token (``return_entropy``),
 which shows what entropy measurement costs; ``arpo_first_come`` grants branch slots first come, first
 served instead of in a fixed order; ``arpo_fill_duplicate`` pads groups with copies of their last trajectory
@@ -82,20 +83,26 @@ def _load(spec: str):
     return getattr(importlib.import_module(module), func)
 
 
-async def _run_once(engine, tokenizer, tools, prompts, cfg: ARPORolloutConfig, seed: int) -> dict[str, float]:
+async def _run_once(engine, tokenizer, tools, prompts, cfg: ARPORolloutConfig, seed: int,
+                    rate_priors: dict[str, dict[int, float]] | None = None, mode: str = "") -> dict[str, float]:
     await engine.reset_prefix_cache()
     gen = ARPORollout(engine, tokenizer, cfg, tools=tools)
+    # a trainer keeps one generator across steps, so fill prediction starts from the last call's tool-call rates
+    if rate_priors is not None:
+        gen.call_rate_prior = rate_priors.get(mode, {})
     try:
         batch = await gen.agenerate(prompts, seed=seed)
     finally:
         gen.close()
+    if rate_priors is not None:
+        rate_priors[mode] = gen.call_rate_prior
     return batch.meta["metrics"]
 
 
 def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
     wall = [m["timing_s/rollout_total"] for m in runs]
     pick = runs[wall.index(statistics.median_low(wall))]
-    keys = ["rollout/tokens/generated", "rollout/tokens/discarded", "rollout/requests", "rollout/rounds", "rollout/branches",
+    keys = ["rollout/tokens/generated", "rollout/tokens/discarded", "rollout/fill_predicted", "rollout/requests", "rollout/rounds", "rollout/branches",
             "rollout/tool_calls/total", "rollout/prefix_cache/hit_rate", "rollout/prefix_cache/branch_hit_rate",
             "timing_s/rollout_generate", "timing_s/rollout_tools"]
     out = {"wall_s_median": statistics.median(wall), "wall_s_min": min(wall), "wall_s_all": wall}
@@ -137,6 +144,9 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             mode="arpo", initial_rollouts=args.initial, timing=args.timing,
             speculative_fill=args.n - args.initial if args.speculative_fill is None else args.speculative_fill,
             **common),
+        "arpo_predicted_fill": ARPORolloutConfig(
+            mode="arpo", initial_rollouts=args.initial, timing=args.timing,
+            speculative_fill_probability=args.fill_probability, **common),
         # ARPO asking for logprobs on every token (return_entropy): what the window-only requests save
         "arpo_all_logprobs": ARPORolloutConfig(mode="arpo", initial_rollouts=args.initial, timing=args.timing,
                                                return_entropy=True, **common),
@@ -167,9 +177,11 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         keep = set(args.modes) | {"arpo", "single"} | ({"single_rounds"} if "arpo_rounds" in args.modes else set())
         cfgs = {m: c for m, c in cfgs.items() if m in keep}
     runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in cfgs}
+    rate_priors: dict[str, dict[int, float]] = {}
     for r in range(args.repeats):
         for mode, cfg in cfgs.items():
-            runs[mode].append(await _run_once(engine, tokenizer, tools, prompts, cfg.validate(), args.seed + r))
+            runs[mode].append(await _run_once(engine, tokenizer, tools, prompts, cfg.validate(), args.seed + r,
+                                              rate_priors, mode))
     for mode in cfgs:
         result[mode] = _summary(runs[mode])
     for mode in [m for m in cfgs if m.startswith("arpo")]:
@@ -201,6 +213,8 @@ def main() -> None:
                     help="rollout schedule of every mode except the *_rounds ones")
     ap.add_argument("--speculative-fill", type=int, default=None,
                     help="speculative fills per group of mode arpo_speculative_fill (default: n - initial)")
+    ap.add_argument("--fill-probability", type=float, default=0.5,
+                    help="speculative_fill_probability of mode arpo_predicted_fill")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--latency-ms", type=float, default=2.0, help="scripted engine only: delay per request")
     ap.add_argument("--token-latency-ms", type=float, default=1.0,

@@ -29,7 +29,12 @@ Per prompt (a *group*, budget M = ``n``), one call of :meth:`ARPORollout.agenera
    group with the initial rollouts, outside the budget: each is confirmed when the group turns out to need
    it and dropped (its tokens wasted, counted in ``rollout/tokens/discarded``) when branching takes its slot.
    Which fills survive depends only on how many are needed, never on their content, so the kept ones are
-   unbiased fresh samples; the trade is extra compute for less latency.
+   unbiased fresh samples; the trade is extra compute for less latency. ``speculative_fill_probability: p``
+   (fill prediction) starts such a fill when it is needed with probability at least p, from the draws of
+   the decisions still to come and how often trajectories have made their next tool call so far (this
+   call's segments, the last call's rates as prior; :meth:`~arpo.rollout.branch_slots.GroupSlots.fill_need`):
+   what the look-ahead cannot know is whether a trajectory will call a tool again, so without it the fills
+   a group needs mostly start when its last branching trajectory ends, and run late, alone.
 
 Logprobs. Entropy uses the top-k logprobs of a segment's first ``entropy_window`` tokens. What they cost
 vLLM is mostly detokenising the k candidates of every token, so requests carrying them run without
@@ -86,7 +91,7 @@ from typing import Any, Iterable, Mapping
 from arpo.batch import DataBatch, Trajectory, collate_trajectories
 from arpo.engine.base import GenerationEngine, GenerationOutput, SamplingParams
 from arpo.protocol import TOOL_TAGS, format_tool_result, parse_trailing_tool_call, stop_strings
-from arpo.rollout.branch_slots import GRANTS, ForkLookahead, GroupSlots, canonical
+from arpo.rollout.branch_slots import GRANTS, CallRates, ForkLookahead, GroupSlots, canonical
 from arpo.rollout.branching import BranchingConfig, GroupBudget, derive_seed, should_branch, token_entropy
 from arpo.rollout.tool_executor import ToolExecutor
 from tools.base import BaseTool
@@ -125,6 +130,7 @@ class ARPORolloutConfig:
     max_response_length: int = 4096
     fill: str = "fresh"
     speculative_fill: int = 0
+    speculative_fill_probability: float | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -179,6 +185,11 @@ class ARPORolloutConfig:
              f"{p}.speculative_fill={self.speculative_fill!r}: must be an integer >= 0 (0: off)")
         need(self.speculative_fill == 0 or self.fill == "fresh",
              f"{p}.speculative_fill={self.speculative_fill} needs {p}.fill=fresh (duplicates cannot be speculated)")
+        sfp = self.speculative_fill_probability
+        need(sfp is None or (isinstance(sfp, (int, float)) and 0 < sfp <= 1),
+             f"{p}.speculative_fill_probability={sfp!r}: give a probability in (0, 1], or null (off)")
+        need(sfp is None or self.fill == "fresh",
+             f"{p}.speculative_fill_probability={sfp} needs {p}.fill=fresh (duplicates cannot be speculated)")
         need(isinstance(self.tool_call_limit, int) and self.tool_call_limit >= 0,
              f"{p}.tool_call_limit={self.tool_call_limit!r}: must be an integer >= 0")
         need(isinstance(self.max_response_length, int) and self.max_response_length >= 1,
@@ -251,6 +262,8 @@ class _Traj:
     discarded: bool = False
     #: its first request has come back (group-scope initial entropy waits for every initial root's)
     started: bool = False
+    #: it made a tool call whose result is not appended yet (the decision after it is sure to come)
+    awaiting_result: bool = False
 
     def append(self, ids: list[int], model: bool, entropy: list[float] | None = None) -> None:
         self.response_ids.extend(ids)
@@ -320,6 +333,9 @@ class ARPORollout:
             raise ValueError(f"tool(s) {unknown} have no ARPO tag; tag names: {sorted(TOOL_TAGS)}")
         self._calls = 0
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: the last call's tool-call rates by depth: the prior of the next call's fill prediction (they decide
+        #: only when fills start, never what any trajectory contains)
+        self.call_rate_prior: dict[int, float] = {}
 
     # ---- public entry points ------------------------------------------------------------------------
     async def agenerate(
@@ -347,6 +363,7 @@ class ARPORollout:
             raise ValueError(f"{len(group_uids)} group uids for {len(prompts)} prompts")
         call = _RolloutCall(self, cfg, [list(map(int, p)) for p in prompts], seed)
         trajectories = await call.run()
+        self.call_rate_prior = call.call_rates.rates()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         batch = collate_trajectories(trajectories, pad, group_uids, group_fields, cfg.max_response_length)
         batch.meta["metrics"] = call.metrics()
@@ -425,6 +442,7 @@ class _RolloutCall:
         #: who gets each group's slots, and when (ordered grants, spare slots for fills)
         self.slots = [GroupSlots(self.lookahead, self.budgets[g], g, self.by_group[g], self._first_decision_depth,
                                  cfg.branch_grant) for g in range(len(prompts))]
+        self.call_rates = CallRates(len(prompts), owner.call_rate_prior)
         self.group_h0: list[float | None] = [None] * len(prompts)
         #: set once the group's initial entropy is known (``initial_entropy_scope: group``)
         self.h0_settled = [asyncio.Event() for _ in prompts]
@@ -757,6 +775,8 @@ class _RolloutCall:
                 self._finish(t, "length")
             else:
                 call = parse_trailing_tool_call(seg_text)
+                t.awaiting_result = True
+                self.call_rates.record(t.group, t.n_calls + 1, made=True)
                 return call if call is not None else ("malformed", self.close_tags[close])
         elif room <= 0:
             self._finish(t, "length")
@@ -767,6 +787,8 @@ class _RolloutCall:
             self._finish(t, "abort")
         else:
             self._finish(t, "stop")
+        if t.phase == "done":
+            self.call_rates.record(t.group, t.n_calls + 1, made=False)
         return None
 
     async def _run_tools(self, pending: list) -> None:
@@ -801,6 +823,7 @@ class _RolloutCall:
         start = len(t.response_ids)
         t.append(ids, model=False)
         t.n_calls += 1
+        t.awaiting_result = False
         self.m.count[f"tool_calls/{tool}"] += 1
         self.m.count["tokens_tool"] += len(ids)
         record = {"tool": tool, "start": start, "end": len(t.response_ids), "error": bool(error),
@@ -902,6 +925,8 @@ class _RolloutCall:
                     t.speculative, t.discarded, t.phase = False, True, "done"
                     self.m.count["fill_discarded"] += 1
                     self.m.count["tokens_discarded"] += sum(t.response_mask)
+                if self.cfg.speculative_fill_probability is not None:
+                    self._predict_fills(g, len(spec[: budget.remaining]))
             elif not active and not self.slots[g].pending:
                 granted = budget.reserve(budget.remaining)
                 last = max((t for t in group if not t.discarded), key=lambda t: canonical(t.key))
@@ -911,6 +936,18 @@ class _RolloutCall:
                     if self.progress is not None:
                         self.progress.update(1)
                 self.m.count["fill_duplicate"] += granted
+
+    def _predict_fills(self, g: int, speculative: int) -> None:
+        """Fill prediction: start, outside the budget like ``speculative_fill``'s, each further fill the group
+        will need with at least ``speculative_fill_probability``, from the forks its members' known draws
+        would make and how often trajectories have been calling tools (:meth:`GroupSlots.fill_need`)."""
+        need = self.slots[g].fill_need(self.call_rates.reach(g), lambda t: t.awaiting_result or t.phase == "probe",
+                                       first=speculative)
+        for p in need:
+            if p < self.cfg.speculative_fill_probability:
+                break
+            self._new_root(g, "fill").speculative = True
+            self.m.count["fill_predicted"] += 1
 
     # ---- output -------------------------------------------------------------------------------------
     def _finalise(self) -> list[Trajectory]:
@@ -944,6 +981,7 @@ class _RolloutCall:
             "rollout/fill_fresh": float(c["fill_fresh"]),
             "rollout/fill_duplicate": float(c["fill_duplicate"]),
             "rollout/fill_discarded": float(c["fill_discarded"]),
+            "rollout/fill_predicted": float(c["fill_predicted"]),
             "rollout/tokens/discarded": float(c["tokens_discarded"]),
             "rollout/requests": float(c["requests"]),
             "rollout/tool_calls/total": float(sum(v for k, v in c.items() if k.startswith("tool_calls/"))),

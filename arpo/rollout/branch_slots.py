@@ -25,11 +25,19 @@ for; otherwise it waits until no decision before it in that order can still appe
 ``first_come`` (the released code) grants as decisions arrive. Fresh fills take the slots left over once
 that most is subtracted, at any time: fills never branch, so branching sees the same budget as if they came
 last.
+
+**Fill prediction** (:meth:`GroupSlots.fill_need`). What the look-ahead cannot know is whether a trajectory
+will call a tool again, so fills that are in the end needed mostly wait until the group's last branching
+trajectory finishes, and run late, alone. Given the chance that a trajectory makes its next call (estimated
+by the caller from the calls made so far), the same draws give the *distribution* of the forks still to come,
+and so the chance that the group will need its i-th fill; a rollout may start a fill early once that chance
+is high enough (speculatively: outside the budget, dropped if branching takes its slot after all).
 """
 
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -102,6 +110,30 @@ class ForkLookahead:
         self._trees[memo] = total = min(total, self.budget)
         return total
 
+    def fork_distribution(self, group: int, key: tuple, h0: float | None, first_depth: int,
+                          reach: Callable[[int], float], cap: int, call_made: bool = False) -> list[float]:
+        """Distribution of the forks the decisions of trajectory ``key`` at depths ``first_depth`` … the call
+        limit, and those of the forks they make, will take: entry i is P(i forks), the last entry P(≥ cap).
+        ``reach(d)`` is the chance that a trajectory that has made d − 1 calls makes its d-th; ``call_made``:
+        the call at ``first_depth`` is already made (its result pending or its decision in progress).
+        A candidate counts as a fork when its draw could fork at some reachable ΔH (as :meth:`may_want`)."""
+        if self.cfg.beam_size <= 1 or cap <= 0 or self.call_limit is None:
+            return _point(0, cap)
+        memo: dict[tuple, list[float]] = {}
+
+        def dist(k: tuple, depth: int, made: bool) -> list[float]:
+            if depth > self.call_limit:
+                return _point(0, cap)
+            if (k, depth, made) not in memo:
+                taken = dist(k, depth + 1, False)
+                for j in range(self.may_want(group, k, h0, depth)):
+                    taken = _convolve(taken, _shift(dist(k + (depth, j), depth + 1, False), cap), cap)
+                r = 1.0 if made else min(max(reach(depth), 0.0), 1.0)
+                memo[k, depth, made] = [r * p + (1 - r) * (i == 0) for i, p in enumerate(taken)]
+            return memo[k, depth, made]
+
+        return dist(key, first_depth, call_made)
+
     def earliest_wanting_depth(self, group: int, key: tuple, h0: float | None, first_depth: int) -> int | None:
         """Depth of the first decision from ``first_depth`` on that could ask for a fork (None: none can).
         The trajectory's forks decide only after it."""
@@ -110,6 +142,44 @@ class ForkLookahead:
         if self.call_limit is None:
             return first_depth
         return next((d for d in range(first_depth, self.call_limit + 1) if self.may_want(group, key, h0, d)), None)
+
+
+class CallRates:
+    """How often a trajectory that has made d − 1 tool calls goes on to make its d-th, counted over the
+    segments that ended so far in one rollout call: the ``reach`` of fill prediction. A group's rate leans
+    on the batch's until the group has its own evidence, the batch's on ``prior`` (the previous call's
+    rates, say; 0.5 where none is given). Only when fills start depends on them, never what is generated."""
+
+    #: pseudo-counts of the batch prior in the batch rate, and of the batch rate in a group's
+    PRIOR_WEIGHT, BATCH_WEIGHT = 4.0, 2.0
+
+    def __init__(self, groups: int, prior: dict[int, float] | None = None):
+        self.prior = dict(prior or {})
+        self.made = [Counter() for _ in range(groups)]
+        self.seen = [Counter() for _ in range(groups)]
+        self.batch_made: Counter = Counter()
+        self.batch_seen: Counter = Counter()
+
+    def record(self, group: int, depth: int, made: bool) -> None:
+        """A segment of a trajectory that had made ``depth`` − 1 calls ended, with a call or not."""
+        self.seen[group][depth] += 1
+        self.batch_seen[depth] += 1
+        if made:
+            self.made[group][depth] += 1
+            self.batch_made[depth] += 1
+
+    def batch_rate(self, depth: int) -> float:
+        w = self.PRIOR_WEIGHT
+        return (self.batch_made[depth] + w * self.prior.get(depth, 0.5)) / (self.batch_seen[depth] + w)
+
+    def reach(self, group: int) -> Callable[[int], float]:
+        """``reach(d)`` for the group's trajectories."""
+        made, seen, w = self.made[group], self.seen[group], self.BATCH_WEIGHT
+        return lambda d: (made[d] + w * self.batch_rate(d)) / (seen[d] + w)
+
+    def rates(self) -> dict[int, float]:
+        """The batch's rates by depth (a prior for the next call)."""
+        return {d: self.batch_rate(d) for d in set(self.batch_seen) | set(self.prior)}
 
 
 @dataclass
@@ -189,9 +259,52 @@ class GroupSlots:
         decisions whose turn has come hold their slots)."""
         return max(0, self.budget.remaining - self.forks_bound())
 
+    def fill_need(self, reach: Callable[[int], float], call_made: Callable[[Any], bool], first: int = 0) -> list[float]:
+        """The chances that the group will need at least i + 1 fills beyond those it has been granted, for
+        i = ``first`` … remaining − 1 (``reach`` and ``call_made`` as in :meth:`ForkLookahead.fork_distribution`,
+        the latter per member). Waiting decisions' forks are certain; the rest follows the members' draws."""
+        remaining = self.budget.remaining
+        # at least i + 1 fills iff fewer than remaining − i forks: counts from remaining − first on need no detail
+        cap = remaining - first
+        if cap <= 0:
+            return []
+        look, g = self.lookahead, self.group
+        forks = _point(0, cap)
+        for m in self.members:
+            start = self.first_depth(m)
+            if start is not None:
+                forks = _convolve(forks, look.fork_distribution(g, m.key, m.h_initial, start, reach, cap,
+                                                                call_made(m)), cap)
+        for d in self.pending:
+            for j in range(d.wants):
+                child = look.fork_distribution(g, d.member.key + (d.depth, j), d.member.h_initial, d.depth + 1,
+                                               reach, cap)
+                forks = _convolve(forks, _shift(child, cap), cap)
+        return [sum(forks[: remaining - i]) for i in range(first, remaining)]
+
     @staticmethod
     def fork_key(parent_key: tuple, depth: int, existing: Iterable[tuple]) -> tuple:
         """The key of the parent's next fork at ``depth``, given the keys of the group's trajectories."""
         n = len(parent_key)
         siblings = sum(1 for k in existing if len(k) == n + 2 and k[:n] == parent_key and k[n] == depth)
         return parent_key + (depth, siblings)
+
+
+def _point(n: int, cap: int) -> list[float]:
+    """The distribution of a count that is ``n`` for sure (entries 0 … cap, the last one meaning ≥ cap)."""
+    return [1.0 if i == min(n, cap) else 0.0 for i in range(cap + 1)]
+
+
+def _shift(dist: list[float], cap: int) -> list[float]:
+    """One more than a count distributed as ``dist``."""
+    return [0.0] + dist[:-2] + [dist[-2] + dist[-1]] if cap > 0 else dist
+
+
+def _convolve(a: list[float], b: list[float], cap: int) -> list[float]:
+    """The distribution of the sum of two independent counts, everything from ``cap`` on lumped at ``cap``."""
+    out = [0.0] * (cap + 1)
+    for i, p in enumerate(a):
+        if p:
+            for j, q in enumerate(b):
+                out[min(i + j, cap)] += p * q
+    return out

@@ -134,8 +134,10 @@ def check_invariants(batch: DataBatch, cfg: ARPORolloutConfig, tok, n_prompts: i
     # those of dropped speculative fills
     m = batch.meta["metrics"]
     assert m["rollout/tokens/generated"] == generated + m["rollout/tokens/discarded"]
-    if cfg.speculative_fill == 0:
+    if cfg.speculative_fill == 0 and cfg.speculative_fill_probability is None:
         assert m["rollout/tokens/discarded"] == 0 and m["rollout/fill_discarded"] == 0
+    if cfg.speculative_fill_probability is None:
+        assert m["rollout/fill_predicted"] == 0
 
 
 def random_case(seed: int):
@@ -158,7 +160,10 @@ def random_case(seed: int):
     policy = ScriptPolicy(call_prob=r.uniform(0.3, 1.0), call_decay=r.choice([0.0, 0.1]),
                           ramble_prob=r.choice([0.0, 0.0, 0.1]), malformed_prob=r.choice([0.0, 0.1]))
     tools = [BrokenSearch(), FakePython()] if r.random() < 0.2 else [FakeSearch(), FakePython()]
-    return cfg, policy, tools, r.random() < 0.3, r.randint(1, 3)
+    case = cfg, policy, tools, r.random() < 0.3, r.randint(1, 3)
+    if cfg["fill"] == "fresh":  # drawn last, so the cases drawn before it stay as they were
+        cfg["speculative_fill_probability"] = r.choice([None, None, 0.05, 0.5, 0.95])
+    return case
 
 
 @pytest.mark.parametrize("seed", range(60))
@@ -604,6 +609,40 @@ def test_speculative_fill_confirms_or_drops_without_changing_decisions(schedule)
     assert snapshot(again) == snapshot(spec)
     with pytest.raises(ValueError, match="speculative_fill=2 needs"):
         ARPORolloutConfig(speculative_fill=2, fill="duplicate").validate()
+
+
+@pytest.mark.parametrize("schedule", ["rounds", "async"])
+def test_fill_prediction_changes_when_fills_start_not_the_batch(schedule):
+    cfg = {**BASE, "schedule": schedule, "tool_call_limit": 2}
+    plain, _, _ = rollout(cfg, seed=3, n_prompts=3)
+    predicted = {}
+    for p in (0.01, 0.5, 1.0):
+        batch, engine, gen = rollout({**cfg, "speculative_fill_probability": p}, seed=3, n_prompts=3)
+        check_invariants(batch, gen.config, engine.tokenizer, 3)
+        assert snapshot(batch) == snapshot(plain)
+        predicted[p] = batch.meta["metrics"]["rollout/fill_predicted"]
+    assert predicted[0.01] > predicted[1.0] and plain.meta["metrics"]["rollout/fill_fresh"] > 0
+
+
+def test_fill_prediction_learns_from_the_last_call_that_fills_are_needed():
+    # the policy never calls a tool, so every slot beyond the initial rollouts is a fill's; the look-ahead
+    # alone cannot know that (every draw forks), and neither can the prediction before it has seen a segment end
+    cfg = {**BASE, "initial_rollouts": 2, "branch_probability": 1.0, "speculative_fill_probability": 0.8}
+    engine = ScriptedEngine(policy=ScriptPolicy(call_prob=0.0))
+    gen = ARPORollout(engine, engine.tokenizer, cfg, tools=[FakeSearch(), FakePython()])
+    prompts = [engine.tokenizer.encode(f"Question {i}: what is the number?") for i in range(3)]
+    try:
+        first = gen.generate(prompts, seed=5)
+        # within the call, roots that end without a call teach it too, but only once they have ended
+        assert first.meta["metrics"]["rollout/fill_predicted"] < 3 * 6 and gen.call_rate_prior[1] < 0.2
+        engine.max_in_flight = 0
+        second = gen.generate(prompts, seed=5)
+    finally:
+        gen.close()
+    # the second call starts every fill with the initial rollouts, and its batch is the first one's
+    assert second.meta["metrics"]["rollout/fill_predicted"] == 3 * 6 and engine.max_in_flight == 3 * 8
+    assert second.meta["metrics"]["rollout/fill_discarded"] == 0
+    assert snapshot(second) == snapshot(first)
 
 
 def test_engine_error_propagates_and_cancels_in_flight_requests():

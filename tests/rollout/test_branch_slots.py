@@ -1,13 +1,16 @@
-"""GroupSlots and ForkLookahead on their own: the fixed grant order, the look-ahead's counts, spare slots."""
+"""GroupSlots and ForkLookahead on their own: the fixed grant order, the look-ahead's counts, spare slots, and
+the fill prediction (the distribution of the forks still to come, the chance that each fill is needed)."""
 
 from __future__ import annotations
 
 import math
+import random
+from collections import Counter
 from dataclasses import dataclass
 
 import pytest
 
-from arpo.rollout.branch_slots import ForkLookahead, GroupSlots, canonical
+from arpo.rollout.branch_slots import CallRates, ForkLookahead, GroupSlots, PendingDecision, canonical
 from arpo.rollout.branching import BranchingConfig, GroupBudget, should_branch
 
 
@@ -108,3 +111,90 @@ def test_first_come_grants_in_arrival_order():
     assert granted == [("b", 1)] and budget.remaining == 0  # a came second: nothing left to grant
     with pytest.raises(ValueError, match="branch_grant"):
         slots_for([a], total=2, grant_order="random")
+
+
+def simulate_forks(look: ForkLookahead, key: tuple, h0: float, first_depth: int, reach, made: bool,
+                   rng: random.Random) -> int:
+    """One run of the process fork_distribution describes: each trajectory makes its next call with chance
+    reach(depth) (the first one for sure when made), each decision takes the forks its draws allow."""
+    total, stack = 0, [(key, first_depth, made)]
+    while stack:
+        k, depth, sure = stack.pop()
+        if depth > look.call_limit or (not sure and rng.random() >= reach(depth)):
+            continue
+        wants = look.may_want(0, k, h0, depth)
+        total += wants
+        stack.append((k, depth + 1, False))
+        stack.extend((k + (depth, j), depth + 1, False) for j in range(wants))
+    return total
+
+
+@pytest.mark.parametrize("beam, made", [(2, False), (2, True), (3, False)])
+def test_fork_distribution_matches_simulating_who_calls_again(beam, made):
+    cfg = BranchingConfig(beam_size=beam, branch_probability=0.5, entropy_weight=0.2)
+    look = ForkLookahead(cfg, seed=5, budget=50, call_limit=4, vocab_size=1000)
+    reach = {1: 0.8, 2: 0.6, 3: 0.5, 4: 0.3}.get
+    cap = 6
+    dist = look.fork_distribution(0, ("initial", 0), 0.05, 1, reach, cap, call_made=made)
+    assert len(dist) == cap + 1 and sum(dist) == pytest.approx(1) and max(dist) < 0.9
+    rng, runs = random.Random(0), 20000
+    counts = Counter(min(simulate_forks(look, ("initial", 0), 0.05, 1, reach, made, rng), cap) for _ in range(runs))
+    assert dist == pytest.approx([counts[i] / runs for i in range(cap + 1)], abs=0.015)
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3])
+def test_fork_distribution_at_the_extremes(limit):
+    every = ForkLookahead(BranchingConfig(branch_probability=1.0, entropy_weight=0.0), 0, 100, limit, 1000)
+    # every trajectory calls again and every draw forks: the whole tree, for sure (capped)
+    for cap in (3, 10):
+        dist = every.fork_distribution(0, ("initial", 0), 0.1, 1, lambda d: 1.0, cap)
+        assert dist.index(1.0) == min(cap, 2 ** limit - 1) == min(cap, every.tree_forks(0, ("initial", 0), 0.1, 1))
+    # nobody calls again: no fork, unless the first call is already made
+    assert every.fork_distribution(0, ("initial", 0), 0.1, 1, lambda d: 0.0, 5)[0] == 1.0
+    assert every.fork_distribution(0, ("initial", 0), 0.1, 1, lambda d: 0.0, 5, call_made=True)[1] == 1.0
+    never = ForkLookahead(BranchingConfig(branch_probability=0.0, entropy_weight=0.0), 0, 100, limit, 1000)
+    assert never.fork_distribution(0, ("initial", 0), 0.1, 1, lambda d: 1.0, 5)[0] == 1.0
+
+
+def test_fill_need_is_sure_for_spare_slots_and_falls_with_each_further_fill():
+    cfg = BranchingConfig(branch_probability=0.5, entropy_weight=0.2)
+    members = [Member(("initial", 0)), Member(("initial", 1), next_depth=2), Member(("initial", 2), next_depth=None)]
+    slots, budget = slots_for(members, total=8, cfg=cfg)  # 5 slots left
+    need = slots.fill_need(lambda d: 0.5, lambda m: False)
+    assert len(need) == budget.remaining == 5
+    assert all(a >= b for a, b in zip(need, need[1:])) and 0 < need[-1] < 1
+    assert need[: slots.spare()] == pytest.approx([1.0] * slots.spare())
+    assert slots.fill_need(lambda d: 0.5, lambda m: False, first=2) == pytest.approx(need[2:])
+    # a member whose call is made decides for sure: fills are less likely
+    made = slots.fill_need(lambda d: 0.5, lambda m: m is members[0])
+    assert all(a <= b + 1e-12 for a, b in zip(made, need)) and made != pytest.approx(need)
+    # nobody calls again: every slot left is a fill's
+    assert slots.fill_need(lambda d: 0.0, lambda m: False) == pytest.approx([1.0] * 5)
+    # everyone calls again and every draw forks: branching takes every slot
+    slots, _ = slots_for([Member(("initial", 0))], total=6)
+    assert slots.fill_need(lambda d: 1.0, lambda m: False) == pytest.approx([0.0] * 5)
+
+
+def test_fill_need_counts_waiting_decisions_as_sure_forks():
+    never = BranchingConfig(branch_probability=0.0, entropy_weight=0.0)
+    a = Member(("initial", 0), next_depth=2)
+    slots, budget = slots_for([a], total=6, cfg=never)  # 5 left; no draw of a or its forks can fork
+    slots.pending.append(PendingDecision(a, 1, 2, lambda n: None))
+    assert slots.fill_need(lambda d: 0.9, lambda m: False) == pytest.approx([1.0, 1.0, 1.0, 0.0, 0.0])
+    assert slots.fill_need(lambda d: 0.9, lambda m: False, first=4) == pytest.approx([0.0])
+    budget.reserve(5)
+    assert slots.fill_need(lambda d: 0.9, lambda m: False) == []
+
+
+def test_call_rates_lean_on_the_batch_until_a_group_has_its_own_calls():
+    rates = CallRates(2, prior={1: 0.9})
+    assert rates.reach(0)(1) == pytest.approx(0.9) and rates.reach(0)(2) == pytest.approx(0.5)
+    for _ in range(20):
+        rates.record(1, 1, made=False)
+    # group 1 has stopped calling; group 0, with no segment of its own, follows the batch, which has moved
+    r0, r1 = rates.reach(0)(1), rates.reach(1)(1)
+    assert r1 < 0.05 and r1 < r0 < 0.9
+    assert r0 == pytest.approx(rates.batch_rate(1)) == pytest.approx(4 * 0.9 / 24)
+    rates.record(0, 2, made=True)
+    assert rates.reach(0)(2) > rates.reach(1)(2) > 0.5
+    assert rates.rates() == pytest.approx({1: rates.batch_rate(1), 2: rates.batch_rate(2)})
