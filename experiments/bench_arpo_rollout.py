@@ -18,9 +18,10 @@ tools; and for each ARPO mode its wall time over plain GRPO's (``arpo_over_singl
 whose speed drifts between runs disturbs less, and as ``…_min``: fastest run over fastest run, which bursts of
 other load on a shared machine disturb least.
 
-Modes: ``arpo`` and ``single`` (plain GRPO) always run; ``arpo_speculative_fill`` (``--speculative-fill``
-speculative fills per group, default M − N); ``arpo_predicted_fill`` (fill prediction: a fill starts early
-once its group needs it with probability ``--fill-probability``);
+Modes: ``arpo`` (the default config) and ``single`` (plain GRPO) always run; ``arpo_no_fill_prediction``
+(fills wait for the look-ahead alone: ``speculative_fill_probability: null``); ``arpo_fill_probability``
+(fill prediction at threshold ``--fill-probability``); ``arpo_speculative_fill`` (``--speculative-fill``
+speculative fills per group, default M − N, no prediction);
 ``single_logprobs`` and ``arpo_all_logprobs`` ask for top-k logprobs on every token (``return_entropy``),
 which shows what entropy measurement costs; ``arpo_first_come`` grants branch slots first come, first
 served instead of in a fixed order; ``arpo_fill_duplicate`` pads groups with copies of their last trajectory
@@ -102,7 +103,8 @@ async def _run_once(engine, tokenizer, tools, prompts, cfg: ARPORolloutConfig, s
 def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
     wall = [m["timing_s/rollout_total"] for m in runs]
     pick = runs[wall.index(statistics.median_low(wall))]
-    keys = ["rollout/tokens/generated", "rollout/tokens/discarded", "rollout/fill_predicted", "rollout/requests", "rollout/rounds", "rollout/branches",
+    keys = ["rollout/tokens/generated", "rollout/tokens/discarded", "rollout/fill_predicted", "rollout/requests",
+            "rollout/rounds", "rollout/branches",
             "rollout/tool_calls/total", "rollout/prefix_cache/hit_rate", "rollout/prefix_cache/branch_hit_rate",
             "timing_s/rollout_generate", "timing_s/rollout_tools"]
     out = {"wall_s_median": statistics.median(wall), "wall_s_min": min(wall), "wall_s_all": wall}
@@ -138,27 +140,26 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     common = dict(n=args.n, max_response_length=args.max_response_length, tool_call_limit=args.tool_call_limit,
                   tool_retries=0, schedule=args.schedule)
     rounds = dict(common, schedule="rounds")
+    arpo = dict(common, mode="arpo", initial_rollouts=args.initial, timing=args.timing)
     cfgs = {
-        "arpo": ARPORolloutConfig(mode="arpo", initial_rollouts=args.initial, timing=args.timing, **common),
-        "arpo_speculative_fill": ARPORolloutConfig(
-            mode="arpo", initial_rollouts=args.initial, timing=args.timing,
-            speculative_fill=args.n - args.initial if args.speculative_fill is None else args.speculative_fill,
-            **common),
-        "arpo_predicted_fill": ARPORolloutConfig(
-            mode="arpo", initial_rollouts=args.initial, timing=args.timing,
-            speculative_fill_probability=args.fill_probability, **common),
+        "arpo": ARPORolloutConfig(**arpo),
+        # fills wait for the look-ahead over the known draws alone: what fill prediction saves
+        "arpo_no_fill_prediction": ARPORolloutConfig(**dict(arpo, speculative_fill_probability=None)),
+        # fill prediction with another threshold
+        "arpo_fill_probability": ARPORolloutConfig(**dict(arpo, speculative_fill_probability=args.fill_probability)),
+        # K fills per group started with the initial rollouts, no prediction
+        "arpo_speculative_fill": ARPORolloutConfig(**dict(
+            arpo, speculative_fill_probability=None,
+            speculative_fill=args.n - args.initial if args.speculative_fill is None else args.speculative_fill)),
         # ARPO asking for logprobs on every token (return_entropy): what the window-only requests save
-        "arpo_all_logprobs": ARPORolloutConfig(mode="arpo", initial_rollouts=args.initial, timing=args.timing,
-                                               return_entropy=True, **common),
+        "arpo_all_logprobs": ARPORolloutConfig(**dict(arpo, return_entropy=True)),
         # groups short of M padded with copies of their last trajectory (the released code; biased, no extra
         # trajectories to generate): what fresh fills cost
-        "arpo_fill_duplicate": ARPORolloutConfig(mode="arpo", initial_rollouts=args.initial, timing=args.timing,
-                                                 fill="duplicate", **common),
+        "arpo_fill_duplicate": ARPORolloutConfig(**dict(arpo, fill="duplicate")),
         # slots to whichever decision comes first: what ordered grants (same batch whatever the timing) cost
-        "arpo_first_come": ARPORolloutConfig(mode="arpo", initial_rollouts=args.initial, timing=args.timing,
-                                             branch_grant="first_come", **common),
+        "arpo_first_come": ARPORolloutConfig(**dict(arpo, branch_grant="first_come")),
         # the round-synchronous loop (released code's; exact replay): what the per-trajectory tasks save
-        "arpo_rounds": ARPORolloutConfig(mode="arpo", initial_rollouts=args.initial, timing=args.timing, **rounds),
+        "arpo_rounds": ARPORolloutConfig(**dict(arpo, schedule="rounds")),
         "single": ARPORolloutConfig(mode="single", **common),
         "single_rounds": ARPORolloutConfig(mode="single", **rounds),
         # the same sampling with top-k logprobs on every token: what entropy measurement alone costs
@@ -213,8 +214,8 @@ def main() -> None:
                     help="rollout schedule of every mode except the *_rounds ones")
     ap.add_argument("--speculative-fill", type=int, default=None,
                     help="speculative fills per group of mode arpo_speculative_fill (default: n - initial)")
-    ap.add_argument("--fill-probability", type=float, default=0.5,
-                    help="speculative_fill_probability of mode arpo_predicted_fill")
+    ap.add_argument("--fill-probability", type=float, default=0.2,
+                    help="speculative_fill_probability of mode arpo_fill_probability")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--latency-ms", type=float, default=2.0, help="scripted engine only: delay per request")
     ap.add_argument("--token-latency-ms", type=float, default=1.0,

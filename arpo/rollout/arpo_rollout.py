@@ -130,7 +130,7 @@ class ARPORolloutConfig:
     max_response_length: int = 4096
     fill: str = "fresh"
     speculative_fill: int = 0
-    speculative_fill_probability: float | None = None
+    speculative_fill_probability: float | None = 0.35
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -188,8 +188,6 @@ class ARPORolloutConfig:
         sfp = self.speculative_fill_probability
         need(sfp is None or (isinstance(sfp, (int, float)) and 0 < sfp <= 1),
              f"{p}.speculative_fill_probability={sfp!r}: give a probability in (0, 1], or null (off)")
-        need(sfp is None or self.fill == "fresh",
-             f"{p}.speculative_fill_probability={sfp} needs {p}.fill=fresh (duplicates cannot be speculated)")
         need(isinstance(self.tool_call_limit, int) and self.tool_call_limit >= 0,
              f"{p}.tool_call_limit={self.tool_call_limit!r}: must be an integer >= 0")
         need(isinstance(self.max_response_length, int) and self.max_response_length >= 1,
@@ -264,6 +262,10 @@ class _Traj:
     started: bool = False
     #: it made a tool call whose result is not appended yet (the decision after it is sure to come)
     awaiting_result: bool = False
+    #: metric counts and samples of its own tool calls and entropies (a dropped speculative fill's describe
+    #: no row of the batch, so they are summed over the kept trajectories only)
+    tally: Counter = field(default_factory=Counter)
+    samples: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
 
     def append(self, ids: list[int], model: bool, entropy: list[float] | None = None) -> None:
         self.response_ids.extend(ids)
@@ -299,10 +301,6 @@ class _Metrics:
         self.time: Counter[str] = Counter()
         self.generate_clock = _BusyClock()
         self.tools_clock = _BusyClock()
-
-    def mean(self, key: str) -> float:
-        vals = self.values.get(key)
-        return float(sum(vals) / len(vals)) if vals else math.nan
 
 
 class ARPORollout:
@@ -706,11 +704,11 @@ class _RolloutCall:
             h = self.lookahead.window_entropy(lps)
             if root_start:
                 t.own_h0 = h
-                self.m.values["entropy_initial"].append(h)
+                t.samples["entropy_initial"].append(h)
                 if self.bcfg.initial_entropy_scope == "trajectory":
                     t.h_initial = h
             if t.seg_after_tool:
-                self.m.values["entropy_after_tool"].append(h)
+                t.samples["entropy_after_tool"].append(h)
                 # records inherited at a fork stay as the parent left them
                 if t.tool_calls[-1]["end"] > t.branch_pos and t.tool_calls[-1]["entropy_after"] is None:
                     t.tool_calls[-1]["entropy_after"] = h
@@ -767,7 +765,7 @@ class _RolloutCall:
             self._finish(t, "abort")
         elif close is not None:
             if t.n_calls >= self.cfg.tool_call_limit:
-                self.m.count["tool_calls_hit_limit"] += 1
+                t.tally["tool_calls_hit_limit"] += 1
                 if room > 0:
                     t.append([self.tok.eos_token_id], model=False)
                 self._finish(t, "tool_limit")
@@ -804,18 +802,18 @@ class _RolloutCall:
                 open_tag, close_tag = TOOL_TAGS[tool]
                 text, error, name = (f"Error: malformed tool call: {close_tag} without a matching {open_tag}. "
                                      f"Write {open_tag}...{close_tag}."), True, tool
-                self.m.count["tool_calls_malformed"] += 1
+                t.tally["tool_calls_malformed"] += 1
             else:
                 res = by_tid[t.tid]
                 text, error, name = res.text, not res.ok, call.tool
-                self.m.count["tool_errors"] += int(error)
+                t.tally["tool_errors"] += int(error)
             self._append_result(t, name, text, error)
 
     def _append_result(self, t: _Traj, tool: str, text: str, error: bool) -> None:
         cfg = self.cfg
         h_before = self.lookahead.window_entropy(t.seg_logprobs) if t.seg_logprobs else None
         if h_before is not None:
-            self.m.values["entropy_before_tool"].append(h_before)
+            t.samples["entropy_before_tool"].append(h_before)
         ids = self.tok.encode(format_tool_result(text), add_special_tokens=False)
         room = cfg.max_response_length - len(t.response_ids)
         truncated = len(ids) >= room
@@ -824,8 +822,8 @@ class _RolloutCall:
         t.append(ids, model=False)
         t.n_calls += 1
         t.awaiting_result = False
-        self.m.count[f"tool_calls/{tool}"] += 1
-        self.m.count["tokens_tool"] += len(ids)
+        t.tally[f"tool_calls/{tool}"] += 1
+        t.tally["tokens_tool"] += len(ids)
         record = {"tool": tool, "start": start, "end": len(t.response_ids), "error": bool(error),
                   "entropy_before": h_before, "entropy_after": None, "delta_entropy": None}
         t.tool_calls.append(record)
@@ -971,10 +969,21 @@ class _RolloutCall:
         return out
 
     def metrics(self) -> dict[str, float]:
-        """verl-style flat metrics of this call."""
-        c, m = self.m.count, self.m
+        """verl-style flat metrics of this call: engine work (requests, tokens generated, time) includes
+        dropped speculative fills; what describes the batch (tool calls, entropies, finishes) does not."""
+        m = self.m
+        kept = [t for t in self.trajs if not t.discarded]
+        c = m.count + sum((t.tally for t in kept), Counter())
+        values: dict[str, list[float]] = defaultdict(list, {k: list(v) for k, v in m.values.items()})
+        for t in kept:
+            for k, v in t.samples.items():
+                values[k].extend(v)
+
+        def mean(key: str) -> float:
+            return float(sum(values[key]) / len(values[key])) if values[key] else math.nan
+
         out: dict[str, float] = {
-            "rollout/trajectories": float(len(self.trajs)),
+            "rollout/trajectories": float(len(kept)),
             "rollout/branches": float(c["branches"]),
             "rollout/branch_points": float(c["branch_points"]),
             "rollout/branch_decisions_waited": float(sum(slots.waited for slots in self.slots)),
@@ -990,11 +999,11 @@ class _RolloutCall:
             "rollout/tool_calls/hit_limit": float(c["tool_calls_hit_limit"]),
             "rollout/tokens/generated": float(c["tokens_generated"]),
             "rollout/tokens/tool_result": float(c["tokens_tool"]),
-            "rollout/tokens/response_model_total": float(sum(sum(t.response_mask) for t in self.trajs)),
-            "rollout/entropy/initial_mean": m.mean("entropy_initial"),
-            "rollout/entropy/before_tool_mean": m.mean("entropy_before_tool"),
-            "rollout/entropy/after_tool_mean": m.mean("entropy_after_tool"),
-            "rollout/entropy/delta_mean": m.mean("delta_entropy"),
+            "rollout/tokens/response_model_total": float(sum(sum(t.response_mask) for t in kept)),
+            "rollout/entropy/initial_mean": mean("entropy_initial"),
+            "rollout/entropy/before_tool_mean": mean("entropy_before_tool"),
+            "rollout/entropy/after_tool_mean": mean("entropy_after_tool"),
+            "rollout/entropy/delta_mean": mean("delta_entropy"),
             "timing_s/rollout_generate": float(m.generate_clock.total),
             "timing_s/rollout_tools": float(m.tools_clock.total),
             "timing_s/rollout_total": float(m.time["total"]),

@@ -138,6 +138,10 @@ def check_invariants(batch: DataBatch, cfg: ARPORolloutConfig, tok, n_prompts: i
         assert m["rollout/tokens/discarded"] == 0 and m["rollout/fill_discarded"] == 0
     if cfg.speculative_fill_probability is None:
         assert m["rollout/fill_predicted"] == 0
+    # what describes the batch counts its rows only, not the dropped speculative fills
+    assert m["rollout/trajectories"] == len(rs)
+    assert m["rollout/tool_calls/total"] == sum(1 for r in rs for c in r["calls"] if c["end"] > r["bpos"])
+    assert m["rollout/tokens/response_model_total"] == sum(sum(r["mask"]) for r in rs)
 
 
 def random_case(seed: int):
@@ -282,7 +286,8 @@ def test_look_ahead_over_future_draws_never_undercounts(seed, monkeypatch):
         assert descendants <= call.lookahead.tree_forks(r.group, r.key, r.h_initial, 1)
         assert descendants <= call.lookahead.tree_forks(r.group, r.key, None, 1)
     # the look-ahead assumes window entropies in [0, h_max]
-    assert all(0.0 <= h <= call.lookahead.h_max for h in call.m.values["entropy_initial"] + call.m.values["entropy_before_tool"])
+    measured = [h for t in call.trajs for k in ("entropy_initial", "entropy_before_tool") for h in t.samples[k]]
+    assert measured and all(0.0 <= h <= call.lookahead.h_max for h in measured)
 
 
 def test_first_come_grants_at_once_and_replays_under_rounds():
@@ -614,7 +619,8 @@ def test_speculative_fill_confirms_or_drops_without_changing_decisions(schedule)
 @pytest.mark.parametrize("schedule", ["rounds", "async"])
 def test_fill_prediction_changes_when_fills_start_not_the_batch(schedule):
     cfg = {**BASE, "schedule": schedule, "tool_call_limit": 2}
-    plain, _, _ = rollout(cfg, seed=3, n_prompts=3)
+    plain, _, _ = rollout({**cfg, "speculative_fill_probability": None}, seed=3, n_prompts=3)
+    assert plain.meta["metrics"]["rollout/fill_predicted"] == 0
     predicted = {}
     for p in (0.01, 0.5, 1.0):
         batch, engine, gen = rollout({**cfg, "speculative_fill_probability": p}, seed=3, n_prompts=3)
@@ -661,7 +667,8 @@ def test_engine_error_propagates_and_cancels_in_flight_requests():
                 raise
 
     engine = FailingEngine()
-    gen = ARPORollout(engine, engine.tokenizer, BASE, tools=[FakeSearch()])
+    # no predicted fills, so exactly the initial requests are in flight when one fails
+    gen = ARPORollout(engine, engine.tokenizer, {**BASE, "speculative_fill_probability": None}, tools=[FakeSearch()])
     with pytest.raises(RuntimeError, match="engine died"):
         gen.generate([engine.tokenizer.encode("Q?")] * 2, seed=0)
     assert engine.cancelled == 2 * 4 - 1 and engine.in_flight == 0
