@@ -21,6 +21,12 @@ requests complete in. Outputs are in tree order (initial roots, then fills, each
 ``parent``/``branch_pos`` describe the tree exactly as the rollout does, and a fork goes to its parent's
 server (sticky session) so it hits the prefix cache.
 
+Fill prediction (``speculative_fill_probability``, as in the rollout): a fresh root the group will need with
+at least that chance — from the known draws and how often the group's trajectories have made their next tool
+call so far (:meth:`~arpo.rollout.branch_slots.GroupSlots.fill_need`) — starts early, outside the budget, and
+is dropped (its coroutine cancelled) if a fork takes its slot after all; which ones are kept depends only on
+how many are needed, so the group is the same as without it.
+
 Without ``multi_turn.max_user_turns`` a trajectory's future forks are unbounded, so fresh roots wait until
 every branch has finished.
 """
@@ -37,7 +43,7 @@ from typing import Any
 from arpo.agent_loop.base import AgentLoopContext, AgentLoopOutput, register
 from arpo.agent_loop.tool_agent_loop import Conversation, ToolAgentLoop
 from arpo.engine.base import GenerationOutput, SamplingParams
-from arpo.rollout.branch_slots import GRANTS, ForkLookahead, GroupSlots, canonical
+from arpo.rollout.branch_slots import GRANTS, CallRates, ForkLookahead, GroupSlots, canonical
 from arpo.rollout.branching import BranchingConfig, GroupBudget, derive_seed, should_branch, token_entropy
 
 
@@ -56,7 +62,13 @@ class _Branch:
     requests: int = 0
     #: the decision at the last tool result is still to be taken (paper timing: after the next segment).
     pending_decision: bool = False
+    #: its tool calls are running: the decision after them is sure to come
+    awaiting_result: bool = False
     done: bool = False
+    #: a fill started before the group knows it needs it (outside the budget), or one dropped after all
+    speculative: bool = False
+    discarded: bool = False
+    task: asyncio.Task | None = None
 
 
 @register("arpo_agent")
@@ -68,7 +80,7 @@ class ARPOAgentLoop(ToolAgentLoop):
     def __init__(self, context: AgentLoopContext, branching: BranchingConfig | dict[str, Any] | None = None,
                  initial_rollouts: int | None = None, seed: int | None = None, format: str | None = "arpo_tags",
                  vocab_size: int | None = None, return_entropy: bool = False, branch_grant: str = "ordered",
-                 **kwargs: Any):
+                 speculative_fill_probability: float | None = 0.35, **kwargs: Any):
         super().__init__(context, format=format, **kwargs)
         if isinstance(branching, BranchingConfig):
             self.bcfg = branching.validate()
@@ -85,6 +97,11 @@ class ARPOAgentLoop(ToolAgentLoop):
         if branch_grant not in GRANTS:
             raise ValueError(f"arpo_agent branch_grant={branch_grant!r}: use one of {GRANTS}")
         self.branch_grant = branch_grant
+        p = speculative_fill_probability
+        if p is not None and not (isinstance(p, (int, float)) and 0 < p <= 1):
+            raise ValueError(f"arpo_agent speculative_fill_probability={p!r}: give a probability in (0, 1], "
+                             f"or null (off)")
+        self.fill_probability = p
         self.seed = seed if seed is not None else random.SystemRandom().randrange(2**31)
         self.vocab_size = vocab_size or len(context.tokenizer)
         #: record every response token's normalised entropy (``token_entropy``; NaN on tool tokens).
@@ -110,6 +127,7 @@ class ARPOAgentLoop(ToolAgentLoop):
         self.lookahead = ForkLookahead(self.bcfg, derive_seed(self.seed, self.params.seed, self.prompt_ids), n,
                                        self.ctx.multi_turn.max_user_turns or None, self.vocab_size)
         self.slots = GroupSlots(self.lookahead, self.budget, 0, self.branches, self._first_depth, self.branch_grant)
+        self.call_rates = CallRates(1)
         # Group scope: H_initial is the mean of the initial roots' first windows, known once all have one.
         self.root_h0: list[float | None] = []
         self.group_h0: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -126,7 +144,8 @@ class ARPOAgentLoop(ToolAgentLoop):
                 task.cancel()
             raise
         # tree order by identity, which does not depend on the order branches were created in
-        ordered = sorted(self.branches, key=lambda b: canonical(b.key))
+        ordered = sorted((b for b in self.branches if not b.discarded), key=lambda b: canonical(b.key))
+        assert not any(b.speculative for b in ordered), "a speculative fill was neither confirmed nor dropped"
         position = {b.index: i for i, b in enumerate(ordered)}
         return [self._output(b, position) for b in ordered]
 
@@ -135,18 +154,41 @@ class ARPOAgentLoop(ToolAgentLoop):
 
     def _spawn(self, branch: _Branch) -> None:
         self.branches.append(branch)
-        task = asyncio.ensure_future(self._drive(branch))
+        task = branch.task = asyncio.ensure_future(self._drive(branch))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
     def _fill(self) -> None:
-        """Grant the waiting decisions whose turn has come, then start fresh roots on the slots no branch can
-        still take by forking (:meth:`GroupSlots.spare`): fill roots never fork, so the forks that do
-        happen are exactly the ones the budget would have allowed anyway."""
+        """Grant the waiting decisions whose turn has come, then give fresh roots the slots no branch can
+        still take by forking (:meth:`GroupSlots.spare`): speculative fills first (confirmed), then new ones.
+        Fill roots never fork, so the forks that do happen are exactly the ones the budget would have allowed
+        anyway. Speculative fills beyond the slots left are dropped (newest first), and, with fill
+        prediction, new ones start for the fills the group will probably need."""
         self.slots.resolve()
+        spec = [b for b in self.branches if b.speculative]
+        granted = self.budget.reserve(self.slots.spare())
+        for b in spec[:granted]:
+            b.speculative = False
+        for _ in range(granted - len(spec[:granted])):
+            self._spawn_fill()
+        spec = spec[granted:]
+        for b in spec[self.budget.remaining:]:
+            b.speculative, b.discarded = False, True
+            if b.task is not None and not b.task.done():
+                b.task.cancel()
+        if self.fill_probability is None:
+            return
+        need = self.slots.fill_need(self.call_rates.reach(0), lambda b: b.awaiting_result or b.pending_decision,
+                                    first=len(spec[: self.budget.remaining]))
+        for p in need:
+            if p < self.fill_probability:
+                break
+            self._spawn_fill(speculative=True)
+
+    def _spawn_fill(self, speculative: bool = False) -> None:
         fills = sum(1 for b in self.branches if b.kind == "fill")
-        for i in range(self.budget.reserve(self.slots.spare())):
-            self._spawn(_Branch(len(self.branches), self._new_conversation(), "fill", ("fill", fills + i)))
+        self._spawn(_Branch(len(self.branches), self._new_conversation(), "fill", ("fill", fills),
+                            speculative=speculative))
 
     def _first_depth(self, b: _Branch) -> int | None:
         """Tool-turn depth of the next decision ``b`` can still take (None: none)."""
@@ -186,9 +228,12 @@ class ARPOAgentLoop(ToolAgentLoop):
                     await self._maybe_fork(b, h, paper_point, record)
                     paper_point, b.pending_decision = None, False
                 calls = self.after_generation(conv, out)
+                self.call_rates.record(0, conv.user_turns + 1, made=bool(calls))
                 if not calls:
                     break
+                b.awaiting_result = True
                 await self.run_tools(conv, calls)
+                b.awaiting_result = False
                 if conv.finish_reason:
                     break
                 record = conv.tool_calls[-1]
@@ -199,12 +244,15 @@ class ARPOAgentLoop(ToolAgentLoop):
                     b.pending_decision = False
                 else:
                     paper_point, b.pending_decision = conv.fork(conv.session_id), True
+        except asyncio.CancelledError:
+            if not b.discarded:  # a dropped speculative fill just stops; anything else is a real cancellation
+                raise
         finally:
             b.done = True
             self.ctx.server_manager.end_session(conv.session_id)
             if not conv.finish_reason:
                 conv.finish_reason = "abort"
-            else:
+            elif not b.discarded:
                 self._fill()
 
     def _request_params(self, b: _Branch) -> SamplingParams:

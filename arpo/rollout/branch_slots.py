@@ -117,8 +117,10 @@ class ForkLookahead:
         ``reach(d)`` is the chance that a trajectory that has made d − 1 calls makes its d-th; ``call_made``:
         the call at ``first_depth`` is already made (its result pending or its decision in progress).
         A candidate counts as a fork when its draw could fork at some reachable ΔH (as :meth:`may_want`)."""
-        if self.cfg.beam_size <= 1 or cap <= 0 or self.call_limit is None:
+        if self.cfg.beam_size <= 1 or cap <= 0:
             return _point(0, cap)
+        if self.call_limit is None:  # unbounded calls: no bound on forks, as in tree_forks
+            return _point(cap, cap)
         memo: dict[tuple, list[float]] = {}
 
         def dist(k: tuple, depth: int, made: bool) -> list[float]:

@@ -198,7 +198,8 @@ def test_spare_slots_start_fresh_roots_without_waiting_for_the_group(tokenizer, 
     # are unbounded and the fill waits for the roots to finish.
     engine = ScriptedEngine(tokenizer, policy=tool_policy(0), delay_s=0.02)
     outs = run_group(tokenizer, engine, 6, initial_rollouts=2, seed=0, max_user_turns=limit,
-                     branching={"branch_probability": prob, "entropy_weight": 0.0})
+                     branching={"branch_probability": prob, "entropy_weight": 0.0},
+                     speculative_fill_probability=None)  # the look-ahead alone
     check_tree(tokenizer, engine, outs, 6)
     first_end = next(i for i, (kind, _) in enumerate(engine.events) if kind == "end")
     assert sum(kind == "start" for kind, _ in engine.events[:first_end]) == concurrent
@@ -256,3 +257,33 @@ def test_same_group_whatever_the_completion_order(tokenizer, timing):
     assert len(run(1, grant="first_come")) == 8
     with pytest.raises(ValueError, match="branch_grant"):
         run(0, grant="whenever")
+
+
+def test_fill_prediction_changes_when_fills_start_not_the_group(tokenizer):
+    # the budget binds, so some predicted fills lose their slot to a fork and are dropped mid-flight
+    def run(probability):
+        engine = SeededEngine(tokenizer, 0)
+        outs = run_group(tokenizer, engine, 8, initial_rollouts=3, seed=5, max_user_turns=3, request_seed=11,
+                         speculative_fill_probability=probability,
+                         branching={"beam_size": 3, "branch_probability": 0.1, "window": 5})
+        check_tree(tokenizer, engine, outs, 8)
+        return [(o.response_ids, o.parent, o.branch_pos, o.extra["rollout_kind"]) for o in outs], len(engine.calls)
+
+    plain, plain_requests = run(None)
+    assert {"branch", "fill"} <= {kind for *_, kind in plain}
+    eager, eager_requests = run(0.01)
+    assert eager == plain and eager_requests > plain_requests  # dropped fills' requests, none in the group
+    assert run(1.0)[0] == plain
+    with pytest.raises(ValueError, match="speculative_fill_probability"):
+        run(1.5)
+
+
+def test_fill_prediction_starts_the_fills_of_a_group_whose_draws_cannot_fork_them_all(tokenizer):
+    # one call allowed and every draw forks: 2 slots are spare for sure, and the other 2 go to fills unless
+    # the roots call again (chance 0.5 each before any evidence), so the prediction starts a third fill early
+    engine = ScriptedEngine(tokenizer, policy=tool_policy(0), delay_s=0.02)
+    outs = run_group(tokenizer, engine, 6, initial_rollouts=2, seed=0, max_user_turns=1,
+                     branching={"branch_probability": 1.0, "entropy_weight": 0.0}, speculative_fill_probability=0.5)
+    check_tree(tokenizer, engine, outs, 6)
+    first_end = next(i for i, (kind, _) in enumerate(engine.events) if kind == "end")
+    assert sum(kind == "start" for kind, _ in engine.events[:first_end]) == 5

@@ -154,6 +154,9 @@ def test_fork_distribution_at_the_extremes(limit):
     assert every.fork_distribution(0, ("initial", 0), 0.1, 1, lambda d: 0.0, 5, call_made=True)[1] == 1.0
     never = ForkLookahead(BranchingConfig(branch_probability=0.0, entropy_weight=0.0), 0, 100, limit, 1000)
     assert never.fork_distribution(0, ("initial", 0), 0.1, 1, lambda d: 1.0, 5)[0] == 1.0
+    # no call limit: no bound, so nothing is predicted spare
+    unbounded = ForkLookahead(BranchingConfig(branch_probability=1.0, entropy_weight=0.0), 0, 100, None, 1000)
+    assert unbounded.fork_distribution(0, ("initial", 0), 0.1, 1, lambda d: 0.5, 5)[5] == 1.0
 
 
 def test_fill_need_is_sure_for_spare_slots_and_falls_with_each_further_fill():
