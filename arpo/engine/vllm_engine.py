@@ -104,7 +104,15 @@ class VLLMEngine:
             # applies the same fix in a separate engine process)
             use_eager_logprob_rank()
         start = time.perf_counter()
-        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        preload = os.environ.get("LD_PRELOAD")
+        try:
+            self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        finally:
+            # vLLM's CPU platform points LD_PRELOAD at torch's libgomp (and tcmalloc) for the engine processes it
+            # starts while it sets up. Left there, it also changes every process this one starts later (Ray
+            # workers, FSDP ranks, the sandbox): their OpenMP runtime, and so their float reductions (a 2-rank
+            # update then drifted ~1e-6 from the same update in one process).
+            _restore_env("LD_PRELOAD", preload)
         #: seconds from creating the engine to ready (model load, KV-cache allocation), imports excluded.
         self.startup_seconds = time.perf_counter() - start
         self.max_model_len: int = self._llm.model_config.max_model_len
@@ -229,3 +237,10 @@ def _model_max_len(model_path: str) -> int:
     from transformers import AutoConfig
 
     return int(getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 2048))
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 
 import pytest
@@ -34,7 +35,10 @@ def engine(run, taught_model_dir):
         return VLLMEngine({"model_path": taught_model_dir, "name": "vllm", "dtype": REFERENCE_DTYPE,
                            "max_model_len": 1024, "max_num_seqs": 64})
 
+    preload = os.environ.get("LD_PRELOAD")
     eng = run(start())
+    # vLLM's CPU platform sets LD_PRELOAD for its own processes; processes started later must not inherit it
+    assert os.environ.get("LD_PRELOAD") == preload
     yield eng
     eng.shutdown()
     run(asyncio.sleep(0.1))  # let vLLM's cancelled output task finish inside the loop before it closes
