@@ -166,23 +166,17 @@ class ARPOAgentLoop(ToolAgentLoop):
         prediction, new ones start for the fills the group will probably need."""
         self.slots.resolve()
         spec = [b for b in self.branches if b.speculative]
-        granted = self.budget.reserve(self.slots.spare())
-        for b in spec[:granted]:
+        plan = self.slots.plan_fills(len(spec), self.fill_probability, self.call_rates.reach(0),
+                                     lambda b: b.awaiting_result or b.pending_decision)
+        for b in spec[: plan.confirm]:
             b.speculative = False
-        for _ in range(granted - len(spec[:granted])):
+        for _ in range(plan.start):
             self._spawn_fill()
-        spec = spec[granted:]
-        for b in spec[self.budget.remaining:]:
+        for b in spec[len(spec) - plan.drop:] if plan.drop else []:
             b.speculative, b.discarded = False, True
             if b.task is not None and not b.task.done():
                 b.task.cancel()
-        if self.fill_probability is None:
-            return
-        need = self.slots.fill_need(self.call_rates.reach(0), lambda b: b.awaiting_result or b.pending_decision,
-                                    first=len(spec[: self.budget.remaining]))
-        for p in need:
-            if p < self.fill_probability:
-                break
+        for _ in range(plan.predict):
             self._spawn_fill(speculative=True)
 
     def _spawn_fill(self, speculative: bool = False) -> None:

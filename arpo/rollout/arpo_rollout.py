@@ -901,30 +901,31 @@ class _RolloutCall:
         so every branching decision sees the same budget as with filling at the end). Duplicates need the
         group's last trajectory, so they wait until the group has finished."""
         for g in groups:
-            self.slots[g].resolve()
+            self.slots[g].resolve()  # decisions whose turn has come hold their slots before anything is spare
             group = self.by_group[g]
             budget = self.budgets[g]
             if budget.remaining == 0 and not any(t.speculative for t in group):
                 continue
             active = [t for t in group if t.phase != "done" and not t.speculative]
             if self.cfg.fill == "fresh":
-                granted = budget.reserve(self.slots[g].spare())
                 spec = [t for t in group if t.speculative]
-                for t in spec[:granted]:  # confirm speculative fills first: they are ahead
+                plan = self.slots[g].plan_fills(len(spec), self.cfg.speculative_fill_probability,
+                                                self.call_rates.reach(g),
+                                                lambda t: t.awaiting_result or t.phase == "probe")
+                for t in spec[: plan.confirm]:
                     t.speculative = False
                     if t.phase == "done":
                         self._count_finished(t)
-                for _ in range(granted - len(spec[:granted])):
+                for _ in range(plan.start):
                     self._new_root(g, "fill")
-                self.m.count["fill_fresh"] += granted
-                # branching took slots speculative fills were waiting for: drop the newest ones
-                spec = spec[granted:]
-                for t in spec[budget.remaining:]:
+                self.m.count["fill_fresh"] += plan.confirm + plan.start
+                for t in spec[len(spec) - plan.drop:] if plan.drop else []:
                     t.speculative, t.discarded, t.phase = False, True, "done"
                     self.m.count["fill_discarded"] += 1
                     self.m.count["tokens_discarded"] += sum(t.response_mask)
-                if self.cfg.speculative_fill_probability is not None:
-                    self._predict_fills(g, len(spec[: budget.remaining]))
+                for _ in range(plan.predict):
+                    self._new_root(g, "fill").speculative = True
+                self.m.count["fill_predicted"] += plan.predict
             elif not active and not self.slots[g].pending:
                 granted = budget.reserve(budget.remaining)
                 last = max((t for t in group if not t.discarded), key=lambda t: canonical(t.key))
@@ -934,18 +935,6 @@ class _RolloutCall:
                     if self.progress is not None:
                         self.progress.update(1)
                 self.m.count["fill_duplicate"] += granted
-
-    def _predict_fills(self, g: int, speculative: int) -> None:
-        """Fill prediction: start, outside the budget like ``speculative_fill``'s, each further fill the group
-        will need with at least ``speculative_fill_probability``, from the forks its members' known draws
-        would make and how often trajectories have been calling tools (:meth:`GroupSlots.fill_need`)."""
-        need = self.slots[g].fill_need(self.call_rates.reach(g), lambda t: t.awaiting_result or t.phase == "probe",
-                                       first=speculative)
-        for p in need:
-            if p < self.cfg.speculative_fill_probability:
-                break
-            self._new_root(g, "fill").speculative = True
-            self.m.count["fill_predicted"] += 1
 
     # ---- output -------------------------------------------------------------------------------------
     def _finalise(self) -> list[Trajectory]:

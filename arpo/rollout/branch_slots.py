@@ -185,6 +185,17 @@ class CallRates:
 
 
 @dataclass
+class FillPlan:
+    """See :meth:`GroupSlots.plan_fills`: speculative fills to confirm (the oldest) and to drop (the newest),
+    fills to start inside the budget, and speculative fills to start."""
+
+    confirm: int
+    start: int
+    drop: int
+    predict: int
+
+
+@dataclass
 class PendingDecision:
     """A decision that asked for forks and waits for its turn in the grant order."""
 
@@ -283,6 +294,28 @@ class GroupSlots:
                                                reach, cap)
                 forks = _convolve(forks, _shift(child, cap), cap)
         return [sum(forks[: remaining - i]) for i in range(first, remaining)]
+
+    def plan_fills(self, speculative: int, probability: float | None = None,
+                   reach: Callable[[int], float] | None = None, call_made: Callable[[Any], bool] | None = None
+                   ) -> "FillPlan":
+        """What to do with the group's fresh fills now (call :meth:`resolve` first), given its ``speculative``
+        fills (started outside the budget, oldest first): the slots no decision can take any more are reserved
+        for fills — confirmed
+        speculative ones first, then new ones; speculative fills beyond the slots left are dropped, newest
+        first (so the kept fills are always the lowest-numbered, whatever their content); and, with fill
+        prediction (``probability``, ``reach``, ``call_made`` as in :meth:`fill_need`), further speculative
+        fills start for each fill the group needs with at least that chance."""
+        granted = self.budget.reserve(self.spare())
+        confirm = min(granted, speculative)
+        left = speculative - confirm
+        drop = max(0, left - self.budget.remaining)
+        predict = 0
+        if probability is not None:
+            for p in self.fill_need(reach, call_made, first=left - drop):
+                if p < probability:
+                    break
+                predict += 1
+        return FillPlan(confirm=confirm, start=granted - confirm, drop=drop, predict=predict)
 
     @staticmethod
     def fork_key(parent_key: tuple, depth: int, existing: Iterable[tuple]) -> tuple:

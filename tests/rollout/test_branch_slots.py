@@ -201,3 +201,20 @@ def test_call_rates_lean_on_the_batch_until_a_group_has_its_own_calls():
     rates.record(0, 2, made=True)
     assert rates.reach(0)(2) > rates.reach(1)(2) > 0.5
     assert rates.rates() == pytest.approx({1: rates.batch_rate(1), 2: rates.batch_rate(2)})
+
+
+def test_plan_fills_confirms_the_oldest_speculative_fills_and_drops_the_newest():
+    never = BranchingConfig(branch_probability=0.0, entropy_weight=0.0)
+    # no draw can fork: every slot left is a fill's, the 3 speculative ones first
+    slots, budget = slots_for([Member(("initial", 0))], total=6, cfg=never)
+    plan = slots.plan_fills(3)
+    assert (plan.confirm, plan.start, plan.drop, plan.predict) == (3, 2, 0, 0) and budget.remaining == 0
+    # every draw forks: nothing is spare; forks took 4 of the 5 slots, so 1 of 3 speculative fills can stay
+    slots, budget = slots_for([Member(("initial", 0))], total=6)
+    budget.reserve(4)
+    plan = slots.plan_fills(3)
+    assert (plan.confirm, plan.start, plan.drop, plan.predict) == (0, 0, 2, 0) and budget.remaining == 1
+    # prediction: a root that will surely not call again leaves its slot to a fill, one that will takes it
+    assert slots.plan_fills(0, 0.5, lambda d: 0.0, lambda m: False).predict == 1
+    assert slots.plan_fills(0, 0.5, lambda d: 1.0, lambda m: False).predict == 0
+    assert slots.plan_fills(1, 0.5, lambda d: 0.0, lambda m: False).predict == 0  # already speculated
