@@ -172,7 +172,7 @@ class ARPOAgentLoop(ToolAgentLoop):
             b.speculative = False
         for _ in range(plan.start):
             self._spawn_fill()
-        for b in spec[len(spec) - plan.drop:] if plan.drop else []:
+        for b in spec[len(spec) - plan.drop:]:
             b.speculative, b.discarded = False, True
             if b.task is not None and not b.task.done():
                 b.task.cancel()

@@ -919,7 +919,7 @@ class _RolloutCall:
                 for _ in range(plan.start):
                     self._new_root(g, "fill")
                 self.m.count["fill_fresh"] += plan.confirm + plan.start
-                for t in spec[len(spec) - plan.drop:] if plan.drop else []:
+                for t in spec[len(spec) - plan.drop:]:
                     t.speculative, t.discarded, t.phase = False, True, "done"
                     self.m.count["fill_discarded"] += 1
                     self.m.count["tokens_discarded"] += sum(t.response_mask)
