@@ -300,11 +300,10 @@ class GroupSlots:
                    ) -> "FillPlan":
         """What to do with the group's fresh fills now (call :meth:`resolve` first), given its ``speculative``
         fills (started outside the budget, oldest first): the slots no decision can take any more are reserved
-        for fills — confirmed
-        speculative ones first, then new ones; speculative fills beyond the slots left are dropped, newest
-        first (so the kept fills are always the lowest-numbered, whatever their content); and, with fill
-        prediction (``probability``, ``reach``, ``call_made`` as in :meth:`fill_need`), further speculative
-        fills start for each fill the group needs with at least that chance."""
+        for fills — confirmed speculative ones first, then new ones; speculative fills beyond the slots left
+        are dropped, newest first (so the kept fills are always the lowest-numbered, whatever their content);
+        and, with fill prediction (``probability``, ``reach``, ``call_made`` as in :meth:`fill_need`), further
+        speculative fills start for each fill the group needs with at least that chance."""
         granted = self.budget.reserve(self.spare())
         confirm = min(granted, speculative)
         left = speculative - confirm
