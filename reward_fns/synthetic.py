@@ -1,10 +1,14 @@
-"""Reward for the synthetic tool-use benchmark (``data_source`` ``synthetic/search``, ``synthetic/python``,
-``synthetic/both`` …; the ground truth is one string).
+"""Reward for the synthetic tool-use benchmark (``data_source`` ``synthetic/<kind>``: ``search``, ``python``,
+``both``, ``chain``, ``compare``, ``chain_math``; the ground truth is one string). Grading depends only on the
+answer's type, never on the kind: numbers (``python``, ``both``, ``compare``, ``chain_math``) numerically, names
+(``search``, ``chain``) by exact match, so a distractor's near-identical name ("Trivex Labs" for "Trivex") is wrong.
 
 Same format gate as ARPO's reward (:mod:`reward_fns.gate`: −1 for bad format). Then:
 
 - a numeric ground truth (``42``, ``-3.5``, ``1,234``, ``3/4``, ``1e-3``, ``12%``) is compared numerically:
-  correct when ``|pred − gold| ≤ max(abs_tol, rel_tol·|gold|)``; a non-numeric prediction is wrong;
+  correct when ``|pred − gold| ≤ max(abs_tol, rel_tol·|gold|)``; a non-numeric prediction is wrong; a whole-number
+  ground truth also needs the prediction to round to it, since the relative tolerance alone would pass a nearby
+  integer of a large answer (``120120001`` for ``120120000``);
 - any other ground truth (an entity name) by SQuAD-normalised exact match, or token F1 with
   ``entity_metric="f1"``.
 
@@ -52,7 +56,8 @@ def grade(
     gold = parse_number(ground_truth)
     if gold is not None:
         pred = parse_number(prediction)
-        acc = float(pred is not None and abs(pred - gold) <= max(abs_tol, rel_tol * abs(gold)))
+        acc = float(pred is not None and abs(pred - gold) <= max(abs_tol, rel_tol * abs(gold))
+                    and (not gold.is_integer() or round(pred) == gold))
     else:
         acc = em if entity_metric == "em" else f1
     return {"acc": acc, "em": em, "f1": f1}

@@ -1,22 +1,28 @@
 """Synthetic tool-use benchmark: questions that need search, Python, or both, over a fictional world.
 
-Why fictional: a tiny model knows nothing, and a real model must not know the answers either, so every
-correct answer has to come through the tools. The world is a seeded knowledge base of countries, cities,
-people and companies with linked attributes; each entity becomes one document of the search corpus.
-
-Question kinds (``data_source`` = ``synthetic/<kind>``):
+The world (:mod:`arpo.data.synthetic_world`) is a seeded knowledge base of countries, cities, people and
+companies; each entity is one document of the search corpus. Question kinds (``data_source`` =
+``synthetic/<kind>``; builders in :mod:`arpo.data.synthetic_questions`):
 
 * ``search``  — 1-hop ("What is the capital of Zorvia?") or 2-hop ("In which city was the founder of
   Trivex born?") lookups;
 * ``python``  — arithmetic beyond a small model's head ("What is 4821 * 37?");
 * ``both``    — a looked-up number fed into arithmetic ("How many years passed between the founding of
-  Trivex and 2024?").
+  Trivex and 2024?");
+* ``chain``   — three dependent lookups ("What is the currency of the country where Mira Dolan was born?");
+* ``compare`` — two looked-up numbers combined in Python ("How many more employees does Trivex have than
+  Trivex Labs?"); the answer is in no document;
+* ``chain_math`` — a 2-hop lookup whose number goes into Python ("What is the birth year of the founder of
+  Trivex multiplied by 7?").
 
-Every row stores its gold tool plan in ``extra_info.plan`` (JSON), which the cold-start SFT turns into
-demonstrations by executing the real tools. Output: verl-format parquet (``train``/``val``/``test``) and the
-knowledge base as a JSONL search corpus (``corpus.jsonl``).
+The first three are easy for a pretrained model after a short SFT; the last three (and near-namesake
+distractor entities, ``synthetic.world.distractor_fraction``) leave it headroom for RL. Every row stores its
+gold tool plan in ``extra_info.plan`` (JSON), which the cold-start SFT turns into demonstrations by executing
+the real tools. Output: verl-format parquet (``train``/``val``/``test``, and ``test_easy`` with only the easy
+kinds when ``synthetic.sizes.test_easy`` > 0) and the knowledge base as a JSONL search corpus
+(``corpus.jsonl``).
 
-Run: ``python -m arpo.data.synthetic [synthetic.out_dir=...] [synthetic.seed=...]``.
+Run: ``python -m arpo.data.synthetic [synthetic=hard] [synthetic.out_dir=...] [synthetic.seed=...]``.
 """
 
 from __future__ import annotations
@@ -24,11 +30,17 @@ from __future__ import annotations
 import json
 import logging
 import random
-from dataclasses import dataclass
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, NoReturn
 
 import pandas as pd
+
+from arpo.data.synthetic_questions import EASY_KINDS, HARD_KINDS, KINDS, make_question
+from arpo.data.synthetic_world import World, add_distractors, build_world, fact_index, sentences, world_documents
+
+__all__ = ["EASY_KINDS", "HARD_KINDS", "KINDS", "SYSTEM_PROMPT", "World", "build_world", "generate", "make_rows",
+           "make_world", "world_documents"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,268 +54,155 @@ SYSTEM_PROMPT = (
     "End with <answer> The final answer is \\boxed{answer here} </answer>, the exact answer inside \\boxed{}."
 )
 
-KINDS = ("search", "python", "both")
-
-_ONSETS = ["b", "br", "d", "dr", "f", "g", "k", "kr", "l", "m", "n", "p", "qu", "r", "s", "t", "tr", "v", "z", "th"]
-_VOWELS = ["a", "e", "i", "o", "u", "ae", "io", "ou"]
-_CODAS = ["", "", "n", "l", "r", "s", "x", "th", "m", "nd"]
-_OCCUPATIONS = ["painter", "engineer", "botanist", "composer", "physician", "architect", "poet", "chemist"]
-_CURRENCIES = ["drelk", "mora", "quint", "sable", "tallow", "vesk"]
-
-
-@dataclass
-class World:
-    """The fictional knowledge base: entity name -> attribute dict, per entity type."""
-
-    countries: dict[str, dict[str, Any]]
-    cities: dict[str, dict[str, Any]]
-    people: dict[str, dict[str, Any]]
-    companies: dict[str, dict[str, Any]]
+_SPLITS = ("train", "val", "test", "test_easy")
+_DEFAULT_SIZES = {"train": 2000, "val": 64, "test": 128}
+_DEFAULT_MIX = {"search": 0.4, "python": 0.3, "both": 0.3}
+# synthetic.world.* -> default (for callers that pass only part of it)
+_WORLD_DEFAULTS: dict[str, Any] = {"num_countries": 24, "cities_per_country": 3, "num_people": 120,
+                                   "num_companies": 60, "distractor_fraction": 0.0, "page_chars": 0}
 
 
-def _name(rng: random.Random, used: set[str], syllables: tuple[int, int] = (2, 3)) -> str:
-    while True:
-        n = rng.randint(*syllables)
-        word = "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(n))
-        word = word.capitalize()
-        if word not in used and 4 <= len(word) <= 12:
-            used.add(word)
-            return word
+def _config_error(message: str) -> NoReturn:
+    from arpo.config import ConfigError  # local import: keeps this module importable without hydra
+
+    raise ConfigError(message)
 
 
-def build_world(seed: int, num_countries: int, cities_per_country: int, num_people: int,
-                num_companies: int) -> World:
-    rng = random.Random(seed)
-    used: set[str] = set()
-    countries: dict[str, dict[str, Any]] = {}
-    cities: dict[str, dict[str, Any]] = {}
-    for _ in range(num_countries):
-        c = _name(rng, used)
-        city_names = [_name(rng, used) for _ in range(cities_per_country)]
-        for city in city_names:
-            cities[city] = {"country": c, "population": rng.randint(20, 900) * 1000}
-        countries[c] = {
-            "capital": city_names[0],
-            "founded": rng.randint(1100, 1950),
-            "population": rng.randint(5, 900) * 10000,
-            "currency": rng.choice(_CURRENCIES),
-        }
-    city_list = sorted(cities)
-    people: dict[str, dict[str, Any]] = {}
-    for _ in range(num_people):
-        p = f"{_name(rng, used, (1, 2))} {_name(rng, used)}"
-        people[p] = {
-            "born": rng.randint(1900, 2000),
-            "birthplace": rng.choice(city_list),
-            "occupation": rng.choice(_OCCUPATIONS),
-        }
-    person_list = sorted(people)
-    companies: dict[str, dict[str, Any]] = {}
-    for _ in range(num_companies):
-        co = _name(rng, used)
-        founder = rng.choice(person_list)
-        companies[co] = {
-            "founder": founder,
-            "headquarters": rng.choice(city_list),
-            "founded": people[founder]["born"] + rng.randint(20, 50),
-            "employees": rng.randint(12, 9000),
-        }
-    for c, info in cities.items():
-        info["mayor"] = rng.choice(person_list)
-    return World(countries, cities, people, companies)
+def _check_config(sizes: Mapping[str, int], mix: Mapping[str, float], two_hop_fraction: float,
+                  world: Mapping[str, Any]) -> None:
+    """One line naming the bad ``synthetic.*`` key and the fix, before anything is written."""
+    for key, table, allowed in (("sizes", sizes, _SPLITS), ("mix", mix, KINDS), ("world", world, _WORLD_DEFAULTS)):
+        for k in table:
+            if k not in allowed:
+                _config_error(f"synthetic.{key}.{k}: unknown key; use one of {', '.join(allowed)}")
+    for split in ("train", "val", "test"):
+        if split not in sizes:
+            _config_error(f"synthetic.sizes.{split} is missing; give the number of {split} rows")
+    for k, n in sizes.items():
+        if not _is_int(n) or n < 0:
+            _config_error(f"synthetic.sizes.{k}={n!r}: must be an integer >= 0")
+    for k, w in mix.items():
+        if not _is_number(w) or w < 0:
+            _config_error(f"synthetic.mix.{k}={w!r}: a kind's weight must be a number >= 0")
+    if sum(mix.values()) <= 0:
+        _config_error(f"synthetic.mix={dict(mix)} is invalid: give at least one of {', '.join(KINDS)} a weight > 0")
+    if not _is_number(two_hop_fraction) or not 0 <= two_hop_fraction <= 1:
+        _config_error(f"synthetic.two_hop_fraction={two_hop_fraction!r}: must be a number in [0, 1]")
+    for k, v in world.items():
+        if k == "distractor_fraction":
+            ok, need = _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"
+        else:
+            low = 0 if k == "page_chars" else 1
+            ok, need = _is_int(v) and v >= low, f"an integer >= {low}"
+        if not ok:
+            _config_error(f"synthetic.world.{k}={v!r}: must be {need}")
 
 
-def world_documents(world: World) -> list[dict[str, str]]:
-    """One search document per entity, written as plain encyclopedic sentences."""
-    docs = []
-    for name, a in sorted(world.countries.items()):
-        docs.append({"title": name, "text": (
-            f"{name} is a country. The capital of {name} is {a['capital']}. {name} was founded in "
-            f"{a['founded']}. The population of {name} is {a['population']}. The currency of {name} is the "
-            f"{a['currency']}.")})
-    for name, a in sorted(world.cities.items()):
-        docs.append({"title": name, "text": (
-            f"{name} is a city in {a['country']}. The mayor of {name} is {a['mayor']}. The population of "
-            f"{name} is {a['population']}.")})
-    for name, a in sorted(world.people.items()):
-        docs.append({"title": name, "text": (
-            f"{name} is a {a['occupation']}. {name} was born in {a['born']}. {name} was born in the city of "
-            f"{a['birthplace']}.")})
-    for name, a in sorted(world.companies.items()):
-        docs.append({"title": name, "text": (
-            f"{name} is a company. {name} was founded by {a['founder']}. {name} was founded in {a['founded']}. "
-            f"The headquarters of {name} is in {a['headquarters']}. {name} has {a['employees']} employees.")})
-    for i, d in enumerate(docs):
-        d["id"] = f"doc{i}"
-        d["url"] = f"synthetic://{d['title'].replace(' ', '_')}"
-    return docs
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _search_question(world: World, rng: random.Random, two_hop: bool) -> tuple[str, str, list[dict]]:
-    """(question, answer, plan). A plan step is {"tool", "content", "finding"}."""
-    if two_hop:
-        choice = rng.randrange(3)
-        if choice == 0:
-            co = rng.choice(sorted(world.companies))
-            founder = world.companies[co]["founder"]
-            place = world.people[founder]["birthplace"]
-            return (f"In which city was the founder of {co} born?", place, [
-                {"tool": "search", "content": f"founder of {co}", "finding": f"{co} was founded by {founder}."},
-                {"tool": "search", "content": f"{founder} born", "finding": f"{founder} was born in the city of {place}."},
-            ])
-        if choice == 1:
-            city = rng.choice(sorted(world.cities))
-            mayor = world.cities[city]["mayor"]
-            job = world.people[mayor]["occupation"]
-            return (f"What is the occupation of the mayor of {city}?", job, [
-                {"tool": "search", "content": f"mayor of {city}", "finding": f"The mayor of {city} is {mayor}."},
-                {"tool": "search", "content": f"{mayor} occupation", "finding": f"{mayor} is a {job}."},
-            ])
-        co = rng.choice(sorted(world.companies))
-        hq = world.companies[co]["headquarters"]
-        country = world.cities[hq]["country"]
-        return (f"In which country is the headquarters of {co}?", country, [
-            {"tool": "search", "content": f"headquarters of {co}", "finding": f"The headquarters of {co} is in {hq}."},
-            {"tool": "search", "content": f"{hq} country", "finding": f"{hq} is a city in {country}."},
-        ])
-    choice = rng.randrange(5)
-    if choice == 0:
-        c = rng.choice(sorted(world.countries))
-        ans = world.countries[c]["capital"]
-        return (f"What is the capital of {c}?", ans,
-                [{"tool": "search", "content": f"capital of {c}", "finding": f"The capital of {c} is {ans}."}])
-    if choice == 1:
-        p = rng.choice(sorted(world.people))
-        ans = world.people[p]["birthplace"]
-        return (f"In which city was {p} born?", ans,
-                [{"tool": "search", "content": f"{p} birthplace", "finding": f"{p} was born in the city of {ans}."}])
-    if choice == 2:
-        co = rng.choice(sorted(world.companies))
-        ans = world.companies[co]["founder"]
-        return (f"Who founded {co}?", ans,
-                [{"tool": "search", "content": f"founder of {co}", "finding": f"{co} was founded by {ans}."}])
-    if choice == 3:
-        city = rng.choice(sorted(world.cities))
-        ans = world.cities[city]["country"]
-        return (f"In which country is the city of {city}?", ans,
-                [{"tool": "search", "content": f"{city} country", "finding": f"{city} is a city in {ans}."}])
-    c = rng.choice(sorted(world.countries))
-    ans = world.countries[c]["currency"]
-    return (f"What is the currency of {c}?", ans,
-            [{"tool": "search", "content": f"currency of {c}", "finding": f"The currency of {c} is the {ans}."}])
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _python_question(rng: random.Random) -> tuple[str, str, list[dict]]:
-    choice = rng.randrange(4)
-    if choice == 0:
-        a, b = rng.randint(100, 9999), rng.randint(12, 999)
-        q, expr = f"What is {a} * {b}?", f"{a} * {b}"
-    elif choice == 1:
-        a, b, c = rng.randint(100, 999), rng.randint(100, 999), rng.randint(3, 49)
-        q, expr = f"Compute ({a} + {b}) * {c}.", f"({a} + {b}) * {c}"
-    elif choice == 2:
-        a, b = rng.randint(10000, 99999), rng.randint(7, 97)
-        q, expr = f"What is the remainder when {a} is divided by {b}?", f"{a} % {b}"
-    else:
-        a, b = rng.randint(2, 9), rng.randint(5, 12)
-        q, expr = f"What is {a} to the power of {b}?", f"{a} ** {b}"
-    ans = str(eval(expr))  # noqa: S307 - expr is built above from integers only
-    return q, ans, [{"tool": "python", "content": f"print({expr})", "finding": f"The result is {ans}."}]
+def make_world(seed: int, world: Mapping[str, Any] | None = None) -> World:
+    """The world ``generate`` writes for ``synthetic.world`` (missing keys take their defaults)."""
+    w = {**_WORLD_DEFAULTS, **(world or {})}
+    base = build_world(seed, w["num_countries"], w["cities_per_country"], w["num_people"], w["num_companies"])
+    return add_distractors(base, seed, w["distractor_fraction"])
 
 
-def _both_question(world: World, rng: random.Random) -> tuple[str, str, list[dict]]:
-    choice = rng.randrange(3)
-    if choice == 0:
-        co = rng.choice(sorted(world.companies))
-        year = world.companies[co]["founded"]
-        ref = rng.randint(2020, 2030)
-        return (f"How many years passed between the founding of {co} and the year {ref}?", str(ref - year), [
-            {"tool": "search", "content": f"{co} founded", "finding": f"{co} was founded in {year}."},
-            {"tool": "python", "content": f"print({ref} - {year})", "finding": f"{ref} - {year} = {ref - year}."},
-        ])
-    if choice == 1:
-        c = rng.choice(sorted(world.countries))
-        pop = world.countries[c]["population"]
-        k = rng.randint(3, 17)
-        return (f"What is the population of {c} multiplied by {k}?", str(pop * k), [
-            {"tool": "search", "content": f"population of {c}", "finding": f"The population of {c} is {pop}."},
-            {"tool": "python", "content": f"print({pop} * {k})", "finding": f"{pop} * {k} = {pop * k}."},
-        ])
-    p = rng.choice(sorted(world.people))
-    born = world.people[p]["born"]
-    m = rng.randint(3, 19)
-    return (f"What is the remainder when the birth year of {p} is divided by {m}?", str(born % m), [
-        {"tool": "search", "content": f"{p} born", "finding": f"{p} was born in {born}."},
-        {"tool": "python", "content": f"print({born} % {m})", "finding": f"{born} % {m} = {born % m}."},
-    ])
+def _usable(kind: str, answer: str, plan: list[dict], facts: Mapping[str, tuple[str, int]],
+            page_chars: int) -> bool:
+    """Whether a drawn question is answerable from what the search tool shows, and (hard computed kinds) not
+    copyable from it. ``page_chars`` > 0: every fact a search step needs must end within that many characters
+    of its page, or the tool's cut page would hide it. A number computed from found ones (``compare``,
+    ``chain_math``) must not stand in any page the plan reads, or one result would give the answer away."""
+    computed = kind in ("compare", "chain_math")
+    if not page_chars and not computed:
+        return True
+    pages = []
+    for step in plan:
+        if step["tool"] != "search":
+            continue
+        for sent in sentences(step["finding"]):
+            page, end = facts.get(sent, ("", -1))
+            if end < 0 or (page_chars and end > page_chars):
+                return False
+            pages.append(page)
+    return not (computed and any(re.search(rf"\b{re.escape(answer)}\b", page) for page in pages))
 
 
-def make_question(world: World, kind: str, rng: random.Random, two_hop_fraction: float) -> tuple[str, str, list[dict], int]:
-    if kind == "search":
-        two_hop = rng.random() < two_hop_fraction
-        q, a, plan = _search_question(world, rng, two_hop)
-        return q, a, plan, 2 if two_hop else 1
-    if kind == "python":
-        q, a, plan = _python_question(rng)
-        return q, a, plan, 1
-    if kind == "both":
-        q, a, plan = _both_question(world, rng)
-        return q, a, plan, 2
-    raise ValueError(f"unknown question kind {kind!r}; use one of {KINDS}")
-
-
-def make_rows(world: World, n: int, mix: dict[str, float], split: str, seed: int,
-              two_hop_fraction: float, agent_name: str, exclude: set[str] | None = None) -> list[dict]:
+def make_rows(world: World, n: int, mix: Mapping[str, float], split: str, seed: int, two_hop_fraction: float,
+              agent_name: str, exclude: set[str] | None = None,
+              facts: Mapping[str, tuple[str, int]] | None = None, page_chars: int = 0) -> list[dict]:
+    """``n`` distinct verl rows of the kinds in ``mix`` (by weight), none of whose questions is in ``exclude``;
+    ``facts`` (:func:`fact_index` of the corpus) and ``page_chars`` screen them (see :func:`_usable`)."""
     rng = random.Random(f"{seed}-{split}")
-    kinds = list(mix)
+    # zero-weight kinds are dropped: listing a kind at 0 then draws exactly what leaving it out draws
+    kinds = [k for k in mix if mix[k] > 0]
     weights = [mix[k] for k in kinds]
+    facts = facts if facts is not None else fact_index(world_documents(world))
     rows, seen = [], set(exclude or ())
-    attempts = 0
+    attempts, kind = 0, ""
     while len(rows) < n:
         attempts += 1
         if attempts > 50 * n + 1000:
-            raise ValueError(f"could not draw {n} distinct {split} questions; grow the world (synthetic.world.*)")
-        kind = rng.choices(kinds, weights)[0]
+            _config_error(f"could not draw {n} distinct {split} questions: grow the world (synthetic.world.*)"
+                          + (" or raise synthetic.world.page_chars" if page_chars else ""))
+        kind = kind or rng.choices(kinds, weights)[0]
         q, a, plan, hops = make_question(world, kind, rng, two_hop_fraction)
+        if not _usable(kind, a, plan, facts, page_chars):
+            continue  # redrawn in the same kind: the screen must not shift the mix to kinds it rarely rejects
+        kind, drawn = "", kind
         if q in seen:
+            # A hard kind is redrawn in its kind, so that its smaller pool of distinct questions does not shrink
+            # its share of the mix; an easy kind draws a fresh kind, the rule the default preset's files follow.
+            kind = drawn if drawn in HARD_KINDS else ""
             continue
         seen.add(q)
         rows.append({
-            "data_source": f"synthetic/{kind}",
+            "data_source": f"synthetic/{drawn}",
             "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}],
-            "ability": kind,
+            "ability": drawn,
             "reward_model": {"ground_truth": a, "style": "rule"},
-            "extra_info": {"index": len(rows), "split": split, "question": q, "kind": kind, "hops": hops,
+            "extra_info": {"index": len(rows), "split": split, "question": q, "kind": drawn, "hops": hops,
                            "plan": json.dumps(plan)},
             "agent_name": agent_name,
         })
     return rows
 
 
-def generate(out_dir: str | Path, seed: int = 0, sizes: dict[str, int] | None = None,
-             mix: dict[str, float] | None = None, two_hop_fraction: float = 0.3,
-             world_sizes: dict[str, int] | None = None, agent_name: str = "tool_agent") -> dict[str, Path]:
-    """Write ``{train,val,test}.parquet`` and ``corpus.jsonl`` under ``out_dir``; return their paths."""
-    sizes = sizes or {"train": 2000, "val": 64, "test": 128}
-    mix = mix or {"search": 0.4, "python": 0.3, "both": 0.3}
-    bad = [k for k in mix if k not in KINDS]
-    if bad or not mix or any(v < 0 for v in mix.values()) or sum(mix.values()) <= 0:
-        raise ValueError(f"synthetic.mix={dict(mix)} is invalid: use non-negative weights over {KINDS}")
-    world_sizes = world_sizes or {}
-    world = build_world(seed, world_sizes.get("num_countries", 24), world_sizes.get("cities_per_country", 3),
-                        world_sizes.get("num_people", 120), world_sizes.get("num_companies", 60))
+def generate(out_dir: str | Path, seed: int = 0, sizes: Mapping[str, int] | None = None,
+             mix: Mapping[str, float] | None = None, two_hop_fraction: float = 0.3,
+             world_sizes: Mapping[str, Any] | None = None, agent_name: str = "tool_agent") -> dict[str, Path]:
+    """Write ``{train,val,test}.parquet`` (+ ``test_easy.parquet`` when ``sizes["test_easy"]`` > 0) and
+    ``corpus.jsonl`` under ``out_dir``; return their paths. ``world_sizes`` is ``synthetic.world``."""
+    sizes = dict(sizes or _DEFAULT_SIZES)
+    mix = dict(mix or _DEFAULT_MIX)
+    world_cfg = {**_WORLD_DEFAULTS, **(world_sizes or {})}
+    _check_config(sizes, mix, two_hop_fraction, world_cfg)
+    world = make_world(seed, world_cfg)
+    docs = world_documents(world)
+    facts = fact_index(docs)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
     corpus_path = out / "corpus.jsonl"
     with corpus_path.open("w") as f:
-        for doc in world_documents(world):
+        for doc in docs:
             f.write(json.dumps(doc) + "\n")
     paths["corpus"] = corpus_path
-    # Held-out splits never repeat a training question.
+    # The easy held-out split keeps the mix's proportions among the easy kinds (equal when it has none).
+    easy_mix = {k: w for k, w in mix.items() if k in EASY_KINDS and w > 0} or dict.fromkeys(EASY_KINDS, 1.0)
+    # Held-out splits never repeat a training question; test_easy comes last so it repeats none at all.
     taken: set[str] = set()
-    for split in ("test", "val", "train"):
-        rows = make_rows(world, sizes[split], mix, split, seed, two_hop_fraction, agent_name, exclude=taken)
+    for split in ("test", "val", "train", "test_easy"):
+        if split == "test_easy" and not sizes.get(split):
+            continue
+        rows = make_rows(world, sizes[split], easy_mix if split == "test_easy" else mix, split, seed,
+                         two_hop_fraction, agent_name, exclude=taken, facts=facts, page_chars=world_cfg["page_chars"])
         taken.update(r["extra_info"]["question"] for r in rows)
         path = out / f"{split}.parquet"
         pd.DataFrame(rows).to_parquet(path, index=False)
@@ -324,4 +223,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from arpo.config import cli_main
+
+    cli_main(main)

@@ -7,8 +7,12 @@ benchmark's reward function and report the share with a valid format and the sha
     python -m arpo.evaluation.protocol_quality --model outputs/tiny_arpo/models/tiny-sft \
         --data outputs/tiny_arpo/data/synthetic [--split test] [--temperature 1.0] [--samples 3]
 
-Prints one JSON object: ``per_kind`` ({kind: {n, format, acc}}), ``overall``, the settings, and ``samples``
-(a few decoded responses per kind, to see *how* the model fails).
+Prints one JSON object: ``per_kind`` ({kind: {n, format, acc}}, one entry per kind in the split: the easy
+``search``/``python``/``both`` and, with ``synthetic=hard`` data, ``chain``/``compare``/``chain_math``),
+``overall``, the settings, and ``samples`` (a few decoded responses per kind, to see *how* the model fails).
+``--split test_easy`` measures the hard preset's easy held-out split. The hard kinds need three tool calls
+and three result pages: ``--tool-call-limit`` (default 4) and ``--max-response-length`` (default 400 tokens)
+must leave room for them.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ def measure_protocol_quality(model_dir: str | Path, data_dir: str | Path, *, spl
                              tool_call_limit: int = 4, max_questions: int | None = None,
                              samples_per_kind: int = 0) -> dict[str, Any]:
     """Sample each question of ``<data_dir>/<split>.parquet`` once with vLLM and the benchmark's tools; return
-    format rate and accuracy per ``ability`` (search / python / both) and overall."""
+    format rate and accuracy per ``ability`` (the question kind) and overall."""
     import pandas as pd
     from transformers import AutoTokenizer
 
@@ -100,9 +104,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-questions", type=int, default=None)
     ap.add_argument("--samples", type=int, default=2, help="decoded responses to show per kind")
+    ap.add_argument("--max-response-length", type=int, default=400,
+                    help="response tokens per question, tool results included")
+    ap.add_argument("--tool-call-limit", type=int, default=4, help="tool calls per question (hard kinds need 3)")
     args = ap.parse_args(argv)
+    for flag, value in (("--max-response-length", args.max_response_length),
+                        ("--tool-call-limit", args.tool_call_limit)):
+        if value < 1:
+            from arpo.config import ConfigError
+
+            raise ConfigError(f"{flag}={value}: must be >= 1")
     result = measure_protocol_quality(args.model, args.data, split=args.split, temperature=args.temperature,
-                                      seed=args.seed, max_questions=args.max_questions,
+                                      seed=args.seed, max_response_length=args.max_response_length,
+                                      tool_call_limit=args.tool_call_limit, max_questions=args.max_questions,
                                       samples_per_kind=args.samples)
     print(json.dumps(result, indent=2))
     return result
