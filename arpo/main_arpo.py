@@ -131,11 +131,49 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     finally:
         trainer.close()
     out = Path(cfg.trainer.output_dir)
-    summary = {"final_validation": final_val, "hf_model": str(export_dir),
+    gain = validation_gain(cfg.trainer.validation_data_dir, trainer.global_step)
+    summary = {"final_validation": final_val, "validation_gain": gain, "hf_model": str(export_dir),
                "checkpoints": str(cfg.trainer.default_local_dir),
                "metrics": str(trainer.tracker.jsonl_path), "log": str(out / "logs" / "arpo.log")}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def validation_gain(folder: str | None, last_step: int, confidence: float = 0.95) -> dict[str, Any] | None:
+    """Before (step 0) vs after (``last_step``) validation, paired by prompt: mean accuracy and reward with a
+    bootstrap confidence interval of the gain. None when either validation is missing."""
+    import numpy as np
+
+    from arpo.stats import paired_gain
+
+    if not folder or last_step == 0:
+        return None
+    files = [Path(folder) / f"step_{s}.jsonl" for s in (0, last_step)]
+    if not all(f.is_file() for f in files):
+        return None
+    per_prompt = []
+    for f in files:
+        by_prompt: dict[int, list[dict]] = {}
+        for line in f.read_text().splitlines():
+            rec = json.loads(line)
+            by_prompt.setdefault(rec["prompt_index"], []).append(rec)
+        per_prompt.append(by_prompt)
+    common = sorted(set(per_prompt[0]) & set(per_prompt[1]))
+    out: dict[str, Any] = {"before_step": 0, "after_step": last_step}
+    for key in ("acc", "score"):
+        before, after = ([float(np.mean([r[key] for r in p[i]])) for i in common] for p in per_prompt)
+        out[key] = paired_gain(before, after, confidence=confidence).as_dict()
+    return out
+
+
+def describe_gain(gain: dict[str, Any]) -> str:
+    """One line: validation accuracy and reward before → after RL, with the gain's interval."""
+    from arpo.stats import GainInterval
+
+    fields = GainInterval.__dataclass_fields__
+    parts = [GainInterval(**{k: v for k, v in gain[key].items() if k in fields}).describe(name)
+             for key, name in (("acc", "accuracy"), ("score", "reward"))]
+    return f"RL gain (step 0 -> {gain['after_step']}): " + "; ".join(parts)
 
 
 def main() -> None:
@@ -146,6 +184,8 @@ def main() -> None:
     setup_logging(Path(cfg.trainer.output_dir) / "logs")
     summary = run(cfg)
     print(json.dumps(summary, indent=2))
+    if summary["validation_gain"]:
+        print(describe_gain(summary["validation_gain"]))
 
 
 if __name__ == "__main__":

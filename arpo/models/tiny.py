@@ -174,6 +174,14 @@ def build_tiny_model(out_dir: str | Path, corpus_files: Iterable[str | Path], se
     return out
 
 
+def build_from_config(t, data_dir: Path) -> Path:
+    """:func:`build_tiny_model` with the ``tiny_model.*`` keys, its tokenizer trained on ``data_dir``'s benchmark."""
+    files = [data_dir / "train.parquet", data_dir / "corpus.jsonl"]
+    return build_tiny_model(t.out_dir, files, seed=t.seed, vocab_size=t.vocab_size, hidden_size=t.hidden_size,
+                            num_layers=t.num_layers, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads,
+                            intermediate_size=t.intermediate_size, max_position_embeddings=t.max_position_embeddings)
+
+
 def main() -> None:
     from arpo.config import ConfigError, load_config
     from arpo.data.synthetic import generate
@@ -181,7 +189,6 @@ def main() -> None:
 
     cfg = load_config("tiny_model")
     setup_logging()
-    t = cfg.tiny_model
     data_dir = Path(cfg.data.synthetic_dir)
     if not (data_dir / "train.parquet").exists():
         if not cfg.data.generate_if_missing:
@@ -191,10 +198,7 @@ def main() -> None:
         s = cfg.synthetic
         generate(data_dir, seed=s.seed, sizes=dict(s.sizes), mix=dict(s.mix), two_hop_fraction=s.two_hop_fraction,
                  world_sizes=dict(s.world), agent_name=s.agent_name)
-    files = [data_dir / "train.parquet", data_dir / "corpus.jsonl"]
-    path = build_tiny_model(t.out_dir, files, seed=t.seed, vocab_size=t.vocab_size, hidden_size=t.hidden_size,
-                            num_layers=t.num_layers, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads,
-                            intermediate_size=t.intermediate_size, max_position_embeddings=t.max_position_embeddings)
+    path = build_from_config(cfg.tiny_model, data_dir)
     print(f"tiny model saved to {path}")
 
 

@@ -100,6 +100,13 @@ class RayARPOTrainer:
         scores, result = build_token_level_rewards(batch, texts, self.reward_manager)
         batch.tensors["token_level_scores"] = scores
         batch.non_tensors["response_text"] = _column(texts)
+        extra = result.extra_info_lists()
+        # A reward function that returns a bare float has no "acc": its score stands in.
+        acc = extra.get("acc") or [None] * len(texts)
+        batch.non_tensors["reward_acc"] = _column([float(a) if a is not None else float(s)
+                                                   for a, s in zip(acc, result.scores)])
+        if "format_ok" in extra:
+            batch.non_tensors["reward_format_ok"] = _column(extra["format_ok"])
         return batch, result.metrics
 
     def train_step(self, rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -162,6 +169,8 @@ class RayARPOTrainer:
 
     # ---- validation --------------------------------------------------------------------------------------
     def validate(self) -> dict[str, float]:
+        """Greedy (by default) validation: mean reward and accuracy per data source, and one JSONL record per
+        sample in ``trainer.validation_data_dir/step_<N>.jsonl`` (verl's key) for paired before/after tests."""
         if self.val_data is None:
             return {}
         v = self.cfg.trainer.validation
@@ -171,13 +180,40 @@ class RayARPOTrainer:
         batch = self._generate(self._prompt_batch(rows), validation=True)
         batch, _ = self._score(batch)
         scores = batch.tensors["token_level_scores"].sum(-1).numpy()
+        acc = np.asarray(batch.non_tensors["reward_acc"], dtype=float)
         sources = np.asarray(batch.non_tensors["data_source"])
         out: dict[str, float] = {}
         for src in sorted(set(sources)):
             sel = sources == src
             out[f"val-core/{src}/reward/mean@{v.n}"] = float(scores[sel].mean())
+            out[f"val-core/{src}/acc/mean@{v.n}"] = float(acc[sel].mean())
         out["val-core/all/reward/mean"] = float(scores.mean())
+        out["val-core/all/acc/mean"] = float(acc.mean())
+        self._dump_validation(batch, scores, acc)
         return out
+
+    def _dump_validation(self, batch: DataBatch, scores: np.ndarray, acc: np.ndarray) -> None:
+        import json
+
+        folder = self.cfg.trainer.validation_data_dir
+        if not folder:
+            return
+        path = Path(folder) / f"step_{self.global_step}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        nt = batch.non_tensors
+        group = nt.get("group_index", np.arange(len(scores)))
+        tool_calls = nt.get("tool_calls", [None] * len(scores))
+        tmp = path.with_suffix(".tmp")
+        with tmp.open("w") as f:
+            for i in range(len(scores)):
+                f.write(json.dumps({
+                    "step": self.global_step, "prompt_index": int(group[i]), "data_source": str(nt["data_source"][i]),
+                    "score": float(scores[i]), "acc": float(acc[i]),
+                    "format_ok": float(nt["reward_format_ok"][i]) if "reward_format_ok" in nt else None,
+                    "num_tool_calls": len(tool_calls[i] or []),
+                    "ground_truth": str(nt["reward_model"][i].get("ground_truth")),
+                    "response": str(nt["response_text"][i])}) + "\n")
+        tmp.replace(path)
 
     # ---- the loop ----------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
