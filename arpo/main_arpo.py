@@ -180,9 +180,12 @@ def main() -> None:
     from arpo.config import load_config
     from arpo.logging_utils import setup_logging
 
+    from arpo.ray_utils import stop_ray
+
     cfg = load_config("arpo_trainer")
     setup_logging(Path(cfg.trainer.output_dir) / "logs")
     summary = run(cfg)
+    stop_ray()
     print(json.dumps(summary, indent=2))
     if summary["validation_gain"]:
         print(describe_gain(summary["validation_gain"]))

@@ -23,7 +23,7 @@ import argparse
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -91,21 +91,26 @@ class Pipeline:
 
     def __init__(self, root: str | Path, preset: Preset | str = TINY, overrides: list[str] | None = None,
                  force: bool = False):
-        self.preset = preset if isinstance(preset, Preset) else Preset.load(preset)
+        preset = preset if isinstance(preset, Preset) else Preset.load(preset)
+        self.overrides = list(preset.overrides) + list(overrides or [])
+        # base_model.source=... on the command line swaps the preset's base model (the last one wins).
+        sources = [o.split("=", 1)[1] for o in self.overrides if o.startswith("base_model.source=")]
+        self.preset = replace(preset, base_model=sources[-1]) if sources else preset
         self.root = Path(root)
         self.paths = stage_paths(self.root, self.preset)
-        self.overrides = list(self.preset.overrides) + list(overrides or [])
         self.force = force
         self.timings: dict[str, float] = {}
 
     def config(self, stage: str):
         p = self.paths
         own = {"synthetic_data": [], "tiny_model": [f"tiny_model.out_dir={p['base_model']}"],
-               "base_model": [f"base_model.source={self.preset.base_model}", f"base_model.out_dir={p['base_model']}"],
+               "base_model": [f"base_model.out_dir={p['base_model']}"],
                "sft": [f"actor_rollout_ref.model.path={self.base_model_dir}", f"sft.out_dir={p['sft_model']}"],
                "arpo_trainer": [f"actor_rollout_ref.model.path={p['sft_model']}", f"trainer.output_dir={p['rl']}"]}
         data = [f"synthetic.out_dir={p['data']}"] if stage != "base_model" else []
-        return load_config(stage, data + own[stage] + _for_stage(stage, self.overrides))
+        source = [f"base_model.source={self.preset.base_model}"] if stage == "base_model" else []
+        rest = [o for o in _for_stage(stage, self.overrides) if not o.startswith("base_model.source=")]
+        return load_config(stage, data + source + own[stage] + rest)
 
     @property
     def base_model_dir(self) -> Path:
@@ -186,7 +191,10 @@ def main() -> None:
         print(f"{k}: {p}")
     summary: dict = {"preset": preset.name, "base_model": preset.base_model, "overrides": pipeline.overrides}
     if not args.skip_rl:
+        from arpo.ray_utils import stop_ray
+
         rl = pipeline.run_rl()
+        stop_ray()
         summary.update(rl)
     summary["stage_timings_s"] = pipeline.timings
     summary["wall_s"] = round(time.time() - start, 1)

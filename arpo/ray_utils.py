@@ -92,3 +92,12 @@ def init_ray(cfg: Any = None) -> None:
             logger.warning("ray start attempt %d/%d timed out (busy machine?); retrying", attempt, _START_ATTEMPTS)
             ray.shutdown()
     logger.info("ray started: %s", ray.cluster_resources())
+
+
+def stop_ray() -> None:
+    """Shut down this process's Ray, if started: actors' output forwarded to the console ends here, so an entry
+    point's final lines are really its last."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()

@@ -91,3 +91,21 @@ def smollm2_base_dir() -> Path:
     root = Path(os.environ.get("ARPO_TEST_CACHE", Path.home() / ".cache" / "arpo-tests"))
     key = _cache_key("arpo/models/pretrained.py")
     return prepare_base_model("smollm2-135m-instruct", root / f"smollm2-base-{key}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_truncated_dir(smollm2_base_dir, tmp_path_factory) -> Path:
+    """SmolLM2 cut to its first 2 decoder layers: the real tokenizer, vocabulary, architecture and weight names at
+    a fifteenth of the compute, for smoke tests of every stage on the real model's code path."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("smollm2-2layer")
+    config = AutoConfig.from_pretrained(smollm2_base_dir)
+    config.num_hidden_layers = 2
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    full = AutoModelForCausalLM.from_pretrained(smollm2_base_dir, dtype=torch.float32)
+    model.load_state_dict(full.state_dict(), strict=False)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(smollm2_base_dir).save_pretrained(out)
+    return out

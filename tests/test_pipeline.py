@@ -1,0 +1,75 @@
+"""The pipeline: presets route overrides to stages, and the real-model preset runs end to end (smoke)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from arpo.config import ConfigError
+from arpo.pipeline import Pipeline, Preset
+from tests.conftest import REPO
+
+
+def test_presets_route_overrides_to_their_stages(tmp_path):
+    p = Pipeline(tmp_path, "smollm2", ["sft.max_steps=7", "trainer.total_training_steps=3"])
+    sft, rl = p.config("sft"), p.config("arpo_trainer")
+    assert sft.sft.max_steps == 7 and sft.sft.lr == 5.0e-5            # command line after the preset
+    assert rl.trainer.total_training_steps == 3 and rl.actor_rollout_ref.rollout.n == 8
+    assert rl.actor_rollout_ref.model.path == str(tmp_path / "models" / "smollm2-sft")
+    assert sft.actor_rollout_ref.model.path == str(tmp_path / "models" / "smollm2-base")
+    assert p.config("synthetic_data").synthetic.mix.chain > 0                # synthetic=hard
+    assert p.config("base_model").base_model.source == "smollm2-135m-instruct"
+    tiny = Pipeline(tmp_path, "tiny")
+    assert tiny.config("sft").sft.out_dir == str(tmp_path / "models" / "tiny-sft")
+    assert tiny.config("synthetic_data").synthetic.mix.chain == 0
+
+
+def test_base_model_source_override_swaps_the_preset_model(tmp_path, tiny_model_dir):
+    p = Pipeline(tmp_path, "smollm2", [f"base_model.source={tiny_model_dir}"])
+    assert p.base_model_dir == tiny_model_dir
+    assert p.config("sft").actor_rollout_ref.model.path == str(tiny_model_dir)
+
+
+def test_unknown_preset_names_the_known_ones():
+    with pytest.raises(ConfigError, match=r"no configs/pipeline/nope.yaml; choose one of \['smollm2', 'tiny'\]"):
+        Preset.load("nope")
+
+
+# A smoke setting of the smollm2 preset: every stage, 1 RL step, a handful of validation questions.
+SMOKE = ["synthetic.sizes.train=64", "synthetic.sizes.val=6", "synthetic.sizes.test=4", "synthetic.sizes.test_easy=0",
+         "sft.max_steps=2", "sft.max_samples=16", "data.train_batch_size=2", "data.max_response_length=96",
+         "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=4",
+         "actor_rollout_ref.rollout.arpo.initial_rollouts=2", "actor_rollout_ref.rollout.max_model_len=512",
+         "trainer.total_training_steps=1", "trainer.test_freq=1", "trainer.save_freq=-1",
+         "trainer.logger=[console,jsonl]"]
+
+
+@pytest.mark.slow
+def test_real_model_preset_end_to_end_smoke(smollm2_truncated_dir, tmp_path):
+    """The smollm2 preset's code path (Llama weights and names, the real tokenizer, hard benchmark, SFT, vLLM, FSDP2
+    weight sync, validation records, the gain line) on a 2-layer cut of the model."""
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "arpo.pipeline", "--preset", "smollm2", "--output-dir", str(out),
+                           f"base_model.source={smollm2_truncated_dir}", *SMOKE],
+                          cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("RL gain (step 0 -> 1): accuracy:") and "95% CI" in last and "n=6" in last
+    summary = json.loads((out / "summary.json").read_text())
+    gain = summary["validation_gain"]
+    for key in ("acc", "score"):
+        g = gain[key]
+        assert g["n"] == 6 and g["low"] <= g["gain"] <= g["high"]
+        assert g["gain"] == pytest.approx(g["after"] - g["before"])
+    records = [json.loads(line) for line in (out / "rl" / "validation" / "step_1.jsonl").read_text().splitlines()]
+    assert sorted(r["prompt_index"] for r in records) == list(range(6))
+    assert {"acc", "score", "format_ok", "response", "data_source"} <= set(records[0])
+    assert (out / "models" / "smollm2-sft" / "model.safetensors").exists()
+    assert not (out / "models" / "smollm2-base").exists()      # an HF directory is used in place
+    metrics = [json.loads(line) for line in (out / "rl" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    step = next(m for m in metrics if m.get("training/global_step") == 1)
+    # The engine received the actor's weights (the probe is the engine's view after the push).
+    assert "rollout/weight_sync_probe" in step and "timing_s/update_actor" in step
