@@ -1,12 +1,26 @@
-"""Trainer step time: one rank (a single process with all the CPUs) vs N FSDP2 ranks (Ray actors), same batch.
+"""Trainer step time and memory: old log-probs, the PPO update and the weight push on FSDP2 ranks (Ray actors).
 
-Settings: one rank with all ``--cpus`` threads, one rank with ``--cpus / --ranks`` threads, and ``--ranks``
-FSDP2 ranks with ``--cpus / --ranks`` threads each. Prints one JSON object: per setting, the median seconds of old-log-prob computation and of the PPO update
-over ``--steps`` timed steps (after one warm-up), plus the largest parameter difference between the
-settings after the same updates (data parallelism must not change the result).
+Settings (``--settings all``): one rank with all ``--cpus`` threads, one rank with ``--cpus / --ranks`` threads,
+and ``--ranks`` FSDP2 ranks with ``--cpus / --ranks`` threads each, plus the largest parameter difference
+between one rank and N after the same updates (data parallelism must not change the result: ~1e-7 with
+``--set actor_rollout_ref.model.dtype=float32``, bf16 rounding otherwise). Model keys default to
+configs/trainer/actor.yaml's (bf16, gradient checkpointing).
+``--settings multi`` runs only the N-rank setting (what a training run uses), once per ``--micro`` value.
+
+Per setting: the median wall and CPU seconds (of the busiest rank) of each phase over ``--steps`` timed steps
+(after ``--warmup`` steps), and per rank the peak resident memory of each phase (VmHWM, reset before every
+phase) and of loading the model. On a machine shared with other jobs the CPU seconds are the comparable number.
+Prints one JSON object.
 
     python experiments/bench_trainer.py                       # builds the tiny model, 2 ranks vs 1
-    python experiments/bench_trainer.py --model PATH --rows 32 --response-len 512 --ranks 2
+    python experiments/bench_trainer.py --model /tmp/smollm2-hf --rows 32 --prompt-len 120-150 \\
+        --response-len 300-500 --ranks 2 --micro 1,2,4,8 --settings multi --steps 1 --warmup 0
+    ... --on-policy                                           # no old-log-prob pass (one mini-batch, 1 epoch)
+    ... --set actor_rollout_ref.model.dtype=float32           # any config key (YAML-typed value)
+    python experiments/bench_trainer.py --model /tmp/smollm2-hf --numerics --text README.md --rows 4 \
+        --prompt-len 150 --response-len 400 --sample 400
+        # bf16 autocast vs fp32 on one process, on responses sampled from the model: log-prob / entropy
+        # differences, gradient cosine and relative error
 """
 
 from __future__ import annotations
@@ -26,6 +40,8 @@ import torch  # noqa: E402
 
 from arpo.batch import Trajectory, collate_trajectories  # noqa: E402
 
+PHASES = ("old_log_prob", "update_policy", "weight_sync")
+
 
 def build_default_model(work: Path) -> Path:
     from arpo.data.synthetic import generate
@@ -35,70 +51,225 @@ def build_default_model(work: Path) -> Path:
     return build_tiny_model(work / "model", [paths["train"], paths["corpus"]], seed=0)
 
 
-def make_batch(rows: int, prompt_len: int, response_len: int, vocab: int, seed: int):
+def length_range(text: str) -> tuple[int, int]:
+    """``"400"`` → (400, 400); ``"300-500"`` → (300, 500): each row draws its length uniformly from it."""
+    low, _, high = text.partition("-")
+    lo, hi = int(low), int(high or low)
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected N or MIN-MAX with 1 <= MIN <= MAX, got {text!r}")
+    return lo, hi
+
+
+def make_batch(rows: int, prompt_len: tuple[int, int], response_len: tuple[int, int], vocab: int, seed: int):
+    """Random rows shaped like a rollout: prompt, model tokens, a tool result, model tokens."""
     g = torch.Generator().manual_seed(seed)
+    draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
     trajs = []
     for i in range(rows):
-        t = Trajectory(group=i // 2, prompt_ids=torch.randint(5, vocab, (prompt_len,), generator=g).tolist())
-        third = response_len // 3
+        p, r = draw(*prompt_len), draw(*response_len)
+        t = Trajectory(group=i // 2, prompt_ids=torch.randint(5, vocab, (p,), generator=g).tolist())
+        third = r // 3
         t.append(torch.randint(5, vocab, (third,), generator=g).tolist(), True)
         t.append(torch.randint(5, vocab, (third,), generator=g).tolist(), False)  # a tool result
-        t.append(torch.randint(5, vocab, (response_len - 2 * third,), generator=g).tolist(), True)
+        t.append(torch.randint(5, vocab, (r - 2 * third,), generator=g).tolist(), True)
         trajs.append(t)
     batch = collate_trajectories(trajs, pad_token_id=0, group_uids=[f"g{i}" for i in range((rows + 1) // 2)])
-    adv = torch.randn(rows, 1, generator=g).expand(rows, response_len).clone()
+    width = batch["responses"].shape[1]
+    adv = torch.randn(rows, 1, generator=g).expand(rows, width).clone()
     batch.tensors["advantages"] = adv * batch["response_mask"]
     return batch
 
 
-def config(model: Path, ranks: int, cpus_per_rank: float, args) -> dict:
-    return {
+def text_batch(model: Path, text_file: Path, rows: int, prompt_len: tuple[int, int],
+               response_len: tuple[int, int], seed: int):
+    """Like :func:`make_batch`, but prompts and responses are consecutive windows of real text: random
+    tokens give log-probs near -15 and flat distributions, unlike anything a policy samples."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(model))(text_file.read_text())["input_ids"]
+    g = torch.Generator().manual_seed(seed)
+    trajs = []
+    for i in range(rows):
+        p = int(torch.randint(prompt_len[0], prompt_len[1] + 1, (1,), generator=g))
+        r = int(torch.randint(response_len[0], response_len[1] + 1, (1,), generator=g))
+        start = int(torch.randint(0, max(1, len(ids) - p - r), (1,), generator=g))
+        window = ids[start: start + p + r]
+        t = Trajectory(group=i // 2, prompt_ids=window[:p])
+        t.append(window[p:], True)
+        trajs.append(t)
+    batch = collate_trajectories(trajs, pad_token_id=0, group_uids=[f"g{i}" for i in range((rows + 1) // 2)])
+    width = batch["responses"].shape[1]
+    batch.tensors["advantages"] = torch.randn(rows, 1, generator=g).expand(rows, width) * batch["response_mask"]
+    return batch
+
+
+def sampled_batch(model, batch, response_len: int, seed: int):
+    """``batch``'s prompts with responses sampled from ``model`` (temperature 1): on-policy tokens, mostly
+    likely ones, which is what a rollout hands the trainer (text windows are far less likely)."""
+    torch.manual_seed(seed)
+    trajs = []
+    for i in range(len(batch)):
+        prompt = batch["prompts"][i][batch["attention_mask"][i, : batch["prompts"].shape[1]].bool()]
+        with torch.no_grad():
+            out = model.generate(prompt.unsqueeze(0), attention_mask=torch.ones_like(prompt).unsqueeze(0),
+                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=response_len,
+                                 min_new_tokens=response_len, pad_token_id=0)
+        t = Trajectory(group=i // 2, prompt_ids=prompt.tolist())
+        t.append(out[0, len(prompt):].tolist(), True)
+        trajs.append(t)
+    sampled = collate_trajectories(trajs, pad_token_id=0, group_uids=[f"g{i}" for i in range((len(batch) + 1) // 2)])
+    width = sampled["responses"].shape[1]
+    g = torch.Generator().manual_seed(seed)
+    sampled.tensors["advantages"] = torch.randn(len(batch), 1, generator=g).expand(-1, width) * sampled["response_mask"]
+    return sampled
+
+
+def numerics(model_dir: Path, batch, chunk: int, sample_len: int = 0) -> dict:
+    """bf16 autocast against fp32 on one process (no FSDP): the same forward/backward of a policy-gradient
+    loss in each precision; differences over response tokens, gradient agreement over all parameters."""
+    from transformers import AutoModelForCausalLM
+
+    from arpo.trainer.logprobs import compute_logprobs_and_entropy
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    if sample_len:
+        batch = sampled_batch(model, batch, sample_len, seed=0)
+    model.train()  # no dropout in these models; train mode as in the update
+    mask = batch["response_mask"].bool()
+
+    def run(autocast: bool, head_fp32: bool):
+        model.zero_grad(set_to_none=True)
+        t0 = time.process_time()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logp, ent = compute_logprobs_and_entropy(
+                model, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
+                batch["responses"].shape[1], chunk_size=chunk, calc_entropy=True, entropy_grad=False,
+                head_fp32=head_fp32)
+        loss = -(batch["advantages"] * logp * mask).sum() / mask.sum()
+        loss.backward()
+        grad = torch.cat([p.grad.flatten() for p in model.parameters()]).double()
+        return logp.detach()[mask], ent.detach()[mask], grad, time.process_time() - t0
+
+    ref_lp, ref_ent, ref_grad, ref_s = run(False, True)
+    out: dict = {"tokens": int(mask.sum()), "fp32_cpu_s": round(ref_s, 2), "fp32_mean_log_prob": float(ref_lp.mean()),
+                 "fp32_mean_entropy": float(ref_ent.mean())}
+    for name, head_fp32 in (("bf16_autocast_fp32_head", True), ("bf16_autocast_bf16_head", False)):
+        lp, ent, grad, secs = run(True, head_fp32)
+        d = (lp - ref_lp).abs()
+        out[name] = {
+            "cpu_s": round(secs, 2),
+            "log_prob_abs_diff_mean": float(d.mean()), "log_prob_abs_diff_p99": float(d.quantile(0.99)),
+            "log_prob_abs_diff_max": float(d.max()),
+            "ratio_exp_diff_mean": float((lp - ref_lp).exp().sub(1).abs().mean()),
+            "entropy_abs_diff_mean": float((ent - ref_ent).abs().mean()),
+            "grad_cosine": float(torch.nn.functional.cosine_similarity(grad, ref_grad, dim=0)),
+            "grad_rel_l2_error": float((grad - ref_grad).norm() / ref_grad.norm()),
+        }
+    return out
+
+
+def _set(cfg: dict, dotted: str, value) -> None:
+    node = cfg
+    *path, last = dotted.split(".")
+    for part in path:
+        node = node.setdefault(part, {})
+    node[last] = value
+
+
+def config(model: Path, ranks: int, cpus_per_rank: float, micro: int, args) -> dict:
+    import yaml
+
+    cfg = {
         "trainer": {"device": args.device, "nnodes": 1, "n_gpus_per_node": ranks, "cpus_per_worker": cpus_per_rank},
+        "data": {"train_batch_size": args.rows // 2},
         "actor_rollout_ref": {
-            "model": {"path": str(model), "dtype": "auto"},
-            "actor": {"ppo_mini_batch_size": args.rows // 2, "ppo_micro_batch_size_per_gpu": args.micro,
+            # configs/trainer/actor.yaml's defaults; --set overrides them.
+            "model": {"path": str(model), "dtype": "bfloat16", "enable_gradient_checkpointing": True},
+            # One mini-batch of all rows: the on-policy case ARPO's configs run.
+            "actor": {"ppo_mini_batch_size": args.rows // 2, "ppo_micro_batch_size_per_gpu": micro,
                       "ppo_epochs": 1, "grad_clip": 1.0, "loss_agg_mode": "token-mean", "use_kl_loss": False,
                       "entropy_coeff": 0.0, "clip_ratio": 0.2, "optim": {"lr": 1e-5}},
-            "rollout": {"n": 2, "log_prob_micro_batch_size_per_gpu": args.micro},
+            "rollout": {"n": 2, "log_prob_micro_batch_size_per_gpu": micro},
         },
     }
+    for item in args.set:
+        key, _, value = item.partition("=")
+        _set(cfg, key, yaml.safe_load(value))
+    return cfg
 
 
-def run_setting(model: Path, ranks: int, cpus_per_rank: float, batch, args) -> dict:
+def _rank_stats(group) -> tuple[list[float], list[float]]:
+    """Per rank: peak RSS (MiB) since the last call (which resets it), and CPU seconds so far."""
+    stats = group.execute_all("memory_stats", True)
+    return [round(s["peak_rss_mb"], 1) for s in stats], [s["cpu_s"] for s in stats]
+
+
+def run_setting(model: Path, ranks: int, cpus_per_rank: float, micro: int, batch, args) -> dict:
     from arpo.trainer.worker_group import RayWorkerGroup
 
     t0 = time.perf_counter()
-    group = RayWorkerGroup(config(model, ranks, cpus_per_rank, args), role="actor")
+    group = RayWorkerGroup(config(model, ranks, cpus_per_rank, micro, args), role="actor")
     start_s = time.perf_counter() - t0
-    logprob_s, update_s = [], []
+    seconds: dict[str, list[float]] = {p: [] for p in PHASES}
+    cpu_seconds: dict[str, list[float]] = {p: [] for p in PHASES}
+    load_peaks, cpu_before = _rank_stats(group)
+    peaks: dict[str, list[float]] = {"load": load_peaks}
+    phases = [p for p in PHASES if not (args.on_policy and p == "old_log_prob")]
     try:
-        for step in range(args.steps + 1):
-            t0 = time.perf_counter()
-            batch.tensors["old_log_probs"] = group.compute_log_prob(batch)["log_probs"]
-            t1 = time.perf_counter()
-            group.update_policy(batch)
-            t2 = time.perf_counter()
-            if step > 0:  # the first step pays one-off allocation and autograd warm-up
-                logprob_s.append(t1 - t0)
-                update_s.append(t2 - t1)
-        params = group.full_parameters()
+        with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as weights:
+            for step in range(args.warmup + args.steps):
+                train = batch
+                for phase in phases:
+                    t0 = time.perf_counter()
+                    if phase == "old_log_prob":
+                        train = batch.index(slice(0, len(batch)))
+                        train.tensors["old_log_probs"] = group.compute_log_prob(batch)["log_probs"]
+                    elif phase == "update_policy":
+                        group.update_policy(train)
+                    else:
+                        group.save_weights_for_engine(weights)
+                    elapsed = time.perf_counter() - t0
+                    step_peaks, cpu_after = _rank_stats(group)
+                    if step >= args.warmup:  # warm-up steps pay one-off allocation and autograd set-up
+                        seconds[phase].append(elapsed)
+                        cpu_seconds[phase].append(max(a - b for a, b in zip(cpu_after, cpu_before)))
+                    cpu_before = cpu_after
+                    peaks[phase] = [max(a, b) for a, b in zip(peaks.get(phase, step_peaks), step_peaks)]
+        params = group.full_parameters() if args.settings == "all" else {}
     finally:
         group.shutdown()
-    return {"ranks": ranks, "cpus_per_rank": cpus_per_rank, "start_s": round(start_s, 2),
-            "old_log_prob_s": round(statistics.median(logprob_s), 4),
-            "update_policy_s": round(statistics.median(update_s), 4),
-            "step_s": round(statistics.median(a + b for a, b in zip(logprob_s, update_s)), 4), "_params": params}
+    out = {"ranks": ranks, "cpus_per_rank": cpus_per_rank, "micro": micro, "start_s": round(start_s, 2)}
+    for phase in phases:
+        out[f"{phase}_s"] = round(statistics.median(seconds[phase]), 3)
+    out["step_s"] = round(sum(out[f"{p}_s"] for p in phases), 3)
+    # The busiest rank's CPU seconds: the wall time this work takes on an otherwise idle machine.
+    for phase in phases:
+        out[f"{phase}_cpu_s"] = round(statistics.median(cpu_seconds[phase]), 3)
+    out["step_cpu_s"] = round(sum(out[f"{p}_cpu_s"] for p in phases), 3)
+    out["peak_rss_mb_per_rank"] = peaks
+    out["peak_rss_mb_max"] = max(max(v) for v in peaks.values())
+    out["_params"] = params
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=None, help="HF model dir (default: build the tiny model)")
-    p.add_argument("--rows", type=int, default=16, help="trajectories per step (2 mini-batches)")
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--response-len", type=int, default=192)
-    p.add_argument("--micro", type=int, default=4, help="ppo_micro_batch_size_per_gpu and log-prob micro batch")
+    p.add_argument("--rows", type=int, default=16, help="trajectories per step (one mini-batch, n=2 per prompt)")
+    p.add_argument("--prompt-len", type=length_range, default=(64, 64), help="N or MIN-MAX tokens")
+    p.add_argument("--response-len", type=length_range, default=(192, 192), help="N or MIN-MAX tokens")
+    p.add_argument("--micro", default="4", help="comma list: ppo_micro_batch_size_per_gpu (and log-prob micro)")
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3, help="timed steps")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (their memory still counts)")
+    p.add_argument("--settings", choices=("all", "multi"), default="all")
+    p.add_argument("--on-policy", action="store_true", help="update without an old-log-prob pass")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    p.add_argument("--numerics", action="store_true", help="bf16 autocast vs fp32 on one process, then exit")
+    p.add_argument("--text", type=Path, default=None, help="build rows from this text file (real tokens)")
+    p.add_argument("--chunk", type=int, default=256, help="logprob_chunk_size for --numerics")
+    p.add_argument("--sample", type=int, default=0, metavar="TOKENS",
+                   help="--numerics: sample this many response tokens from the model (on-policy tokens)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--cpus", type=int, default=os.cpu_count() or 2, help="CPUs to share among the ranks")
     args = p.parse_args()
@@ -108,26 +279,45 @@ def main() -> None:
 
     from arpo.ray_utils import init_ray
 
+    results = []
     with tempfile.TemporaryDirectory() as work:
         model = args.model or build_default_model(Path(work))
         vocab = AutoConfig.from_pretrained(str(model)).vocab_size
-        batch = make_batch(args.rows, args.prompt_len, args.response_len, min(vocab, 2000), seed=0)
+        if args.text:
+            batch = text_batch(model, args.text, args.rows, args.prompt_len, args.response_len, seed=0)
+        else:
+            batch = make_batch(args.rows, args.prompt_len, args.response_len, min(vocab, 2000), seed=0)
+        if args.numerics:
+            torch.set_num_threads(max(1, args.cpus // args.ranks))
+            print(json.dumps({"bench": "trainer_numerics", "model": str(model), "rows": args.rows,
+                              "sampled_response_len": args.sample,
+                              **numerics(model, batch, args.chunk, args.sample)}, indent=2))
+            return
         init_ray({"num_cpus": args.cpus, "object_store_memory": 200 * 1024 * 1024})
-        single = run_setting(model, 1, args.cpus, batch, args)
-        # One rank on one rank's share of the CPUs: separates the data-parallel gain from thread scaling
-        # (on a busy machine a 2-thread process can be slower than a 1-thread one).
-        single_share = run_setting(model, 1, args.cpus / args.ranks, batch, args)
-        multi = run_setting(model, args.ranks, args.cpus / args.ranks, batch, args)
-    diff = max(float((single["_params"][k] - multi["_params"][k]).abs().max()) for k in single["_params"])
-    for r in (single, single_share, multi):
-        r.pop("_params")
+        for micro in (int(m) for m in args.micro.split(",")):
+            entry: dict = {"micro": micro}
+            if args.settings == "all":
+                single = run_setting(model, 1, args.cpus, micro, batch, args)
+                # One rank on one rank's share of the CPUs: separates the data-parallel gain from thread
+                # scaling (on a busy machine a 2-thread process can be slower than a 1-thread one).
+                entry["single_process"] = single
+                entry["single_process_one_share"] = run_setting(model, 1, args.cpus / args.ranks, micro, batch, args)
+            multi = run_setting(model, args.ranks, args.cpus / args.ranks, micro, batch, args)
+            entry[f"fsdp2_{args.ranks}_ranks"] = multi
+            if args.settings == "all":
+                entry["speedup"] = round(single["step_s"] / multi["step_s"], 3)
+                entry["max_param_diff_after_same_updates"] = max(
+                    float((single["_params"][k] - multi["_params"][k]).abs().max()) for k in single["_params"])
+            for r in entry.values():
+                if isinstance(r, dict):
+                    r.pop("_params")
+            results.append(entry)
+            print(json.dumps(entry), file=sys.stderr, flush=True)  # progress: one line per micro size
     print(json.dumps({
         "bench": "trainer_step", "device": args.device, "model": str(args.model or "tiny (built)"),
-        "rows": args.rows, "prompt_len": args.prompt_len, "response_len": args.response_len, "micro": args.micro,
-        "timed_steps": args.steps, "cpu_count": os.cpu_count(), "single_process": single,
-        "single_process_one_share": single_share,
-        f"fsdp2_{args.ranks}_ranks": multi, "speedup": round(single["step_s"] / multi["step_s"], 3),
-        "max_param_diff_after_same_updates": diff,
+        "rows": args.rows, "prompt_len": list(args.prompt_len), "response_len": list(args.response_len),
+        "on_policy": args.on_policy, "overrides": args.set, "timed_steps": args.steps, "warmup_steps": args.warmup,
+        "cpu_count": os.cpu_count(), "results": results,
     }, indent=2))
 
 

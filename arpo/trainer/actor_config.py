@@ -64,6 +64,20 @@ def mini_batch_rows(cfg: Any) -> int:
     return int(cfg_get(cfg, "actor_rollout_ref.actor.ppo_mini_batch_size", 1)) * rollout_n(cfg)
 
 
+def needs_old_log_prob_pass(cfg: Any) -> bool:
+    """Whether the trainer must compute old log-probs before the update.
+
+    Not when the update is on-policy (one mini-batch per step: ``ppo_mini_batch_size`` =
+    ``data.train_batch_size``, and ``ppo_epochs`` = 1): the update then uses its own detached log-probs
+    (ratio exactly 1, as verl's dp_actor does) and reports ``actor/entropy`` itself. KL in the reward reads
+    the old log-probs before the advantages, so it always needs the pass."""
+    if cfg_get(cfg, "algorithm.use_kl_in_reward", False):
+        return True
+    epochs = int(cfg_get(cfg, "actor_rollout_ref.actor.ppo_epochs", 1))
+    mini = int(cfg_get(cfg, "actor_rollout_ref.actor.ppo_mini_batch_size", 1))
+    return not (epochs == 1 and mini == int(cfg_get(cfg, "data.train_batch_size", 1)))
+
+
 def _positive_int(cfg: Any, key: str, default: Any) -> int:
     value = cfg_get(cfg, key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -91,6 +105,10 @@ def validate_actor_config(cfg: Any) -> None:
     if dtype != "auto" and dtype not in DTYPES:
         raise ConfigError(f"actor_rollout_ref.model.dtype={dtype!r} is not valid; choose one of: auto, "
                           f"{', '.join(DTYPES)}")
+    checkpointing = cfg_get(cfg, "actor_rollout_ref.model.enable_gradient_checkpointing", True)
+    if not isinstance(checkpointing, bool):
+        raise ConfigError(f"actor_rollout_ref.model.enable_gradient_checkpointing must be true or false, "
+                          f"got {checkpointing!r}")
     strategy = cfg_get(cfg, "actor_rollout_ref.actor.strategy", "fsdp2")
     if strategy != "fsdp2":
         raise ConfigError(f"actor_rollout_ref.actor.strategy={strategy!r}: only fsdp2 is supported "

@@ -7,6 +7,7 @@ from typing import Any
 
 from arpo.trainer.core_algos import ADV_ESTIMATOR_REGISTRY, KL_CTRL_TYPES, KL_PENALTY_TYPES, LOSS_AGG_MODES
 from arpo.trainer.hard_advantage import ADVANTAGE_MODES
+from arpo.trainer.logprobs import DEFAULT_CHUNK_SIZE
 
 #: Estimators that give one advantage per trajectory, the only ones hard mode is defined for.
 OUTCOME_ESTIMATORS = ("grpo", "rloo")
@@ -60,6 +61,6 @@ def validate_algorithm_config(cfg: Any) -> None:
     c = _get(cfg, "actor_rollout_ref.actor.clip_ratio_c", 3.0)
     if not c > 1:
         raise ValueError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1 (dual-clip cap), got {c!r}")
-    chunk = _get(cfg, "actor_rollout_ref.actor.logprob_chunk_size", 1024)
+    chunk = _get(cfg, "actor_rollout_ref.actor.logprob_chunk_size", DEFAULT_CHUNK_SIZE)
     if not (isinstance(chunk, int) and chunk >= 1):
         raise ValueError(f"actor_rollout_ref.actor.logprob_chunk_size must be a positive integer, got {chunk!r}")

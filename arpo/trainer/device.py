@@ -1,14 +1,20 @@
 """The one place that decides where training runs: device, torch.distributed backend and dtype.
 
-CPU: gloo and float32 (bf16 matmuls on CPU are slow and FSDP's fp32 gradient reduction is what makes ranks
-agree with one process to ~1e-9). GPU: nccl and bfloat16 compute with fp32 master weights and fp32 gradient
-reduction (FSDP2 mixed precision). Keys: ``trainer.device`` (auto | cpu | cuda) and
-``actor_rollout_ref.model.dtype`` (auto | float32 | bfloat16 | float16).
+CPU: gloo; ``auto`` is float32 (exact: ranks agree with one process to ~1e-9). ``bfloat16`` on CPU is
+autocast: matmuls and attention in bf16, while master weights, gradients, optimizer state, norms, the
+residual stream and the log-prob head stay fp32. bf16 matmuls are fast only on CPUs with native bf16
+(avx512_bf16 or AMX: 3-5x fp32 on one core here); elsewhere they are emulated and slower than fp32.
+GPU: nccl and bfloat16 compute with fp32 master weights and fp32 gradient reduction (FSDP2 mixed precision).
+Keys: ``trainer.device`` (auto | cpu | cuda) and ``actor_rollout_ref.model.dtype`` (auto | float32 |
+bfloat16 | float16).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 
 import torch
 
@@ -32,6 +38,45 @@ class DeviceSettings:
     @property
     def mixed_precision(self) -> bool:
         return self.compute_dtype != torch.float32
+
+    @property
+    def fast_layout(self) -> bool:
+        """Whether batches may be laid out for speed rather than as one process would run them.
+
+        float32 is the exact mode: data-parallel ranks reproduce one process's update to ~1e-7, which holds
+        only while every sum is formed in the same order (Adam turns rounding noise on gradients that are 0
+        in exact arithmetic into lr-sized steps). Low precision is ~1e-2 from fp32 anyway, so it takes the
+        faster layout: rows dealt to ranks by length, left-aligned without a padding mask, and only loss
+        positions through the output head."""
+        return self.mixed_precision
+
+    @property
+    def autocast(self) -> bool:
+        """Low precision by autocast (CPU) rather than by FSDP2 casting the parameters (GPU): on CPU the
+        residual stream and norms stay fp32, which FSDP2's param_dtype would put in bf16 too."""
+        return self.mixed_precision and self.device_type == "cpu"
+
+    @property
+    def fsdp_mixed_precision(self) -> bool:
+        return self.mixed_precision and not self.autocast
+
+    def autocast_context(self) -> contextlib.AbstractContextManager:
+        """``torch.autocast`` in the compute dtype when :attr:`autocast`, else a no-op."""
+        if not self.autocast:
+            return contextlib.nullcontext()
+        # No cast cache: it would hold a bf16 copy of every gathered (unsharded) weight until the forward
+        # ends, i.e. the whole model on every rank; each weight is used once per forward anyway.
+        return torch.autocast(self.device_type, dtype=self.compute_dtype, cache_enabled=False)
+
+
+@lru_cache(maxsize=1)
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 matmuls natively (avx512_bf16 or AMX); False when unknown."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve_device_type(device: str | None) -> str:

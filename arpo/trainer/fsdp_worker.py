@@ -3,11 +3,11 @@
 Run one :class:`ActorWorker` per rank (as Ray actors, see :mod:`arpo.trainer.worker_group`); every method that
 touches the model is a collective, so all ranks must call it together with equally sized shares of a batch.
 
-Data parallelism is exact: for each PPO mini-batch the loss normaliser (token count for token-mean, row count
-for the seq modes) is all-reduced over ranks first, each micro-batch's loss is divided by that *global* count
-and multiplied by the world size, and FSDP2 averages the gradients over ranks. The gradient of every
-mini-batch is then the gradient of the loss of the whole mini-batch computed in one process, whatever the
-number of ranks or micro-batches (tests/trainer/test_fsdp_update.py checks it to 1e-6).
+The PPO update itself (exact data parallelism, the on-policy path without old log-probs) is in
+:mod:`arpo.trainer.actor_update`. Memory: activations are recomputed in the backward pass when
+``actor_rollout_ref.model.enable_gradient_checkpointing`` is on, glibc maps large blocks so RSS follows live
+memory, and freed memory goes back to the OS after every big phase (:mod:`arpo.trainer.memory`). In low
+precision micro-batches also run left-aligned, only as wide as their longest row (DeviceSettings.fast_layout).
 """
 
 from __future__ import annotations
@@ -23,17 +23,16 @@ import torch
 import torch.distributed as dist
 
 from arpo.batch import DataBatch
-from arpo.trainer import core_algos
 from arpo.trainer.actor_config import cfg_get, rollout_temperature
-from arpo.trainer.device import device_settings_from_config
+from arpo.trainer.actor_update import METRIC_KEYS, full_tensor, micro_batch_order, ppo_update, split_rows
+from arpo.trainer.device import cpu_has_native_bf16, device_settings_from_config
 from arpo.trainer.logprobs import DEFAULT_CHUNK_SIZE, compute_logprobs_and_entropy
+from arpo.trainer.memory import configure_allocator, memory_stats, release_memory
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("actor", "ref")
-#: Metrics returned by :meth:`ActorWorker.update_policy` (verl's names).
-METRIC_KEYS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/entropy",
-               "actor/kl_loss", "actor/grad_norm", "actor/lr")
+__all__ = ["ActorWorker", "METRIC_KEYS", "lr_lambda"]
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -55,16 +54,6 @@ def lr_lambda(step: int, warmup_steps: int, total_steps: int, style: str, min_lr
     return min_lr_ratio + (1.0 - min_lr_ratio) * cosine
 
 
-def _split_rows(n: int, size: int) -> list[slice]:
-    return [slice(i, min(n, i + size)) for i in range(0, n, size)]
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 class ActorWorker:
     """One FSDP2 rank of the policy (``role="actor"``: optimizer, scheduler, updates) or of the frozen
     reference policy (``role="ref"``: log-probs only).
@@ -76,6 +65,7 @@ class ActorWorker:
     def __init__(self, config: dict, role: str = "actor", rank: int = 0, world_size: int = 1):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        configure_allocator()  # before the model and activations exist: RSS follows live memory
         self.config = config
         self.role = role
         self.rank = rank
@@ -119,18 +109,26 @@ class ActorWorker:
         path = cfg_get(self.config, "actor_rollout_ref.model.path")
         if not path:
             raise ValueError("actor_rollout_ref.model.path is not set: give an HF-format model directory")
-        # Master weights stay fp32; mixed precision (GPU) casts them to bf16 for compute only.
+        # Master weights stay fp32; mixed precision casts them to bf16 for compute only (GPU: FSDP2 casts
+        # the parameters; CPU: autocast around each forward, see device.py).
         model = AutoModelForCausalLM.from_pretrained(
             str(path), dtype=torch.float32,
             attn_implementation=cfg_get(self.config, "actor_rollout_ref.model.attn_implementation", "sdpa"))
-        if self.role == "actor" and cfg_get(self.config, "actor_rollout_ref.model.enable_gradient_checkpointing", False):
+        checkpointing = cfg_get(self.config, "actor_rollout_ref.model.enable_gradient_checkpointing", True)
+        if self.role == "actor" and checkpointing:
+            # Non-reentrant: the recompute re-runs FSDP2's pre-forward hooks (parameters are gathered
+            # again) and autocast's state, and it works when the inputs do not require grad.
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
         model.to(self.device)
+        if (self.rank == 0 and self.settings.autocast and self.settings.compute_dtype == torch.bfloat16
+                and not cpu_has_native_bf16()):
+            logger.warning("actor_rollout_ref.model.dtype=bfloat16 on a CPU without avx512_bf16/AMX: bf16 "
+                           "matmuls are emulated and slower than float32; set actor_rollout_ref.model.dtype=float32")
 
         mesh = init_device_mesh(self.settings.device_type, (self.world_size,))
         mp = None
-        if self.settings.mixed_precision:
+        if self.settings.fsdp_mixed_precision:
             mp = MixedPrecisionPolicy(param_dtype=self.settings.compute_dtype, reduce_dtype=torch.float32)
         kwargs: dict[str, Any] = {"mesh": mesh}
         if mp is not None:
@@ -150,12 +148,15 @@ class ActorWorker:
         else:
             model.requires_grad_(False)
             model.eval()
+        release_memory(full=True)  # the whole model was loaded on every rank before sharding
         n_params = sum(p.numel() for p in model.parameters())
         logger.info("%s rank %d/%d: %s on %s (%s, %s), %.2fM params", self.role, self.rank, self.world_size,
                     type(model).__name__, self.device, self.settings.backend, self.settings.compute_dtype,
                     n_params / 1e6)
         return {"rank": self.rank, "device": str(self.device), "backend": self.settings.backend,
-                "dtype": str(self.settings.compute_dtype), "num_params": n_params}
+                "dtype": str(self.settings.compute_dtype), "autocast": self.settings.autocast,
+                "fast_layout": self.settings.fast_layout,
+                "num_params": n_params, "torch_threads": torch.get_num_threads()}
 
     def _build_optimizer(self) -> None:
         optim = lambda key, default=None: cfg_get(self.config, f"actor_rollout_ref.actor.optim.{key}", default)  # noqa: E731
@@ -181,16 +182,23 @@ class ActorWorker:
     # forward passes
     # ------------------------------------------------------------------------------------------------
 
-    def _temperature(self, batch: DataBatch) -> float:
+    def temperature(self, batch: DataBatch) -> float:
         return float(batch.meta.get("temperature", rollout_temperature(self.config)))
 
-    def _forward(self, micro: DataBatch, temperature: float, calc_entropy: bool):
+    def forward(self, micro: DataBatch, temperature: float, calc_entropy: bool, entropy_grad: bool = True,
+                head_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log-probs, entropy or None) of ``micro``'s responses, (B, R) each, in the compute dtype's autocast
+        (CPU bf16) with the output head's forward in fp32. ``entropy_grad=False``: entropy as a metric only;
+        ``head_mask``: only these positions are needed (0 elsewhere)."""
         dev = self.device
         chunk = int(cfg_get(self.config, "actor_rollout_ref.actor.logprob_chunk_size", DEFAULT_CHUNK_SIZE))
-        return compute_logprobs_and_entropy(
-            self.model, micro["input_ids"].to(dev), micro["attention_mask"].to(dev), micro["position_ids"].to(dev),
-            response_length=micro["responses"].shape[1], chunk_size=chunk, temperature=temperature,
-            calc_entropy=calc_entropy)
+        fast = self.settings.fast_layout  # fp32: laid out as one process runs the batch (device.py)
+        with self.settings.autocast_context():
+            return compute_logprobs_and_entropy(
+                self.model, micro["input_ids"].to(dev), micro["attention_mask"].to(dev),
+                micro["position_ids"].to(dev), response_length=micro["responses"].shape[1], chunk_size=chunk,
+                temperature=temperature, calc_entropy=calc_entropy, entropy_grad=entropy_grad, pack=fast,
+                head_mask=head_mask.to(dev) if fast and head_mask is not None else None)
 
     def compute_log_prob(self, batch: DataBatch, calc_entropy: bool | None = None) -> dict[str, torch.Tensor]:
         """Log-probs of ``responses`` under this rank's model (no grad), micro-batched, for this rank's rows:
@@ -201,28 +209,33 @@ class ActorWorker:
             calc_entropy = self.role == "actor"
         key = "ref" if self.role == "ref" else "rollout"
         micro = int(cfg_get(self.config, f"actor_rollout_ref.{key}.log_prob_micro_batch_size_per_gpu", 8))
-        temperature = self._temperature(batch)
+        temperature = self.temperature(batch)
         was_training = self.model.training
         self.model.eval()
+        order = (micro_batch_order(batch["attention_mask"]) if self.settings.fast_layout
+                 else torch.arange(len(batch)))
+        ordered = batch.index(order)
         logps, ents = [], []
         with torch.no_grad():
-            for sl in _split_rows(len(batch), micro):
-                lp, ent = self._forward(batch.index(sl), temperature, calc_entropy)
+            for sl in split_rows(len(batch), micro):
+                lp, ent = self.forward(ordered.index(sl), temperature, calc_entropy)
                 logps.append(lp.cpu())
                 if calc_entropy:
                     ents.append(ent.cpu())
         self.model.train(was_training)
         width = batch["responses"].shape[1]
-        out = {"log_probs": torch.cat(logps) if logps else torch.zeros(0, width)}
+        inverse = torch.argsort(order)
+        out = {"log_probs": torch.cat(logps)[inverse] if logps else torch.zeros(0, width)}
         if calc_entropy:
-            out["entropy"] = torch.cat(ents) if ents else torch.zeros(0, width)
+            out["entropy"] = torch.cat(ents)[inverse] if ents else torch.zeros(0, width)
+        release_memory()
         return out
 
     # ------------------------------------------------------------------------------------------------
     # the PPO update (verl dp_actor.update_policy)
     # ------------------------------------------------------------------------------------------------
 
-    def _all_reduce_sum(self, values: list[float] | torch.Tensor) -> torch.Tensor:
+    def all_reduce_sum(self, values: list[float] | torch.Tensor) -> torch.Tensor:
         t = torch.as_tensor(values, dtype=torch.float64).to(self.device)
         if self.world_size > 1:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
@@ -231,109 +244,22 @@ class ActorWorker:
     def update_policy(self, batch: DataBatch) -> dict[str, float]:
         """PPO epochs over mini-batches over micro-batches; one optimizer step per mini-batch, one scheduler
         step per call. Needs ``responses``, ``input_ids``, ``attention_mask``, ``position_ids``,
-        ``response_mask``, ``old_log_probs``, ``advantages`` (and ``ref_log_prob`` with use_kl_loss).
+        ``response_mask``, ``advantages``, ``old_log_probs`` unless the update is on-policy (one mini-batch,
+        ``ppo_epochs`` = 1: then the update's own detached log-probs stand in, see
+        :mod:`arpo.trainer.actor_update`), and ``ref_log_prob`` with use_kl_loss.
 
         This rank's rows must be its share of each global mini-batch in order (the worker group arranges it):
         ``ppo_mini_batch_size * rollout.n / world_size`` rows per mini-batch, the last possibly shorter.
         Rows with ``is_pad`` = 1 (padding added to split a short mini-batch evenly) carry no loss.
-        Returns verl's metrics, averaged over mini-batches and epochs, equal on every rank.
+        Returns verl's metrics, averaged over mini-batches and epochs, equal on every rank; ``actor/entropy``
+        is among them when ``entropy_coeff`` != 0 or the batch had no ``old_log_probs``.
         """
         if self.role != "actor" or self.optimizer is None:
             raise RuntimeError("update_policy needs a worker with role='actor' and init_model() called")
-        actor = lambda key, default=None: cfg_get(self.config, f"actor_rollout_ref.actor.{key}", default)  # noqa: E731
-        needed = ["responses", "input_ids", "attention_mask", "position_ids", "response_mask", "old_log_probs",
-                  "advantages"]
-        use_kl = bool(actor("use_kl_loss", False))
-        if use_kl:
-            needed.append("ref_log_prob")
-        missing = [k for k in needed if k not in batch.tensors]
-        if missing:
-            raise ValueError(f"update_policy: batch lacks {missing} (compute old/ref log-probs and advantages first)")
-
-        from arpo.trainer.actor_config import mini_batch_rows
-
-        mode = actor("loss_agg_mode", "token-mean")
-        clip = actor("clip_ratio", 0.2)
-        clip_low, clip_high = actor("clip_ratio_low", clip), actor("clip_ratio_high", clip)
-        clip_c = float(actor("clip_ratio_c", 3.0))
-        entropy_coeff = float(actor("entropy_coeff", 0.0))
-        kl_coef, kl_type = float(actor("kl_loss_coef", 0.0)), actor("kl_loss_type", "low_var_kl")
-        micro_size = int(actor("ppo_micro_batch_size_per_gpu", 1))
-        epochs = int(actor("ppo_epochs", 1))
-        grad_clip = float(actor("grad_clip", 1.0))
-        mini_rows = int(batch.meta.get("mini_batch_rows_per_rank", max(1, mini_batch_rows(self.config) // self.world_size)))
-        temperature = self._temperature(batch)
-        lr = float(self.lr_scheduler.get_last_lr()[0])
-
-        self.model.train()
-        sums: dict[str, float] = {k: 0.0 for k in METRIC_KEYS}
-        n_updates = 0
-        for _ in range(epochs):
-            for mb_slice in _split_rows(len(batch), mini_rows):
-                mb = batch.index(mb_slice)
-                resp_mask = mb["response_mask"].float()
-                if "is_pad" in mb.tensors:
-                    resp_mask = resp_mask * (1 - mb["is_pad"].float()).unsqueeze(-1)
-                real_rows = (1 - mb["is_pad"].float()) if "is_pad" in mb.tensors else torch.ones(len(mb))
-                local_seq = (float(real_rows.sum()) if mode == "seq-mean-token-sum"
-                             else float(core_algos.agg_loss_count(resp_mask, mode)) if mode == "seq-mean-token-mean"
-                             else 0.0)
-                g_tokens, g_seqs = self._all_reduce_sum([float(resp_mask.sum()), local_seq]).tolist()
-                agg = {"global_token_count": g_tokens, "global_seq_count": g_seqs, "dp_size": self.world_size}
-
-                self.optimizer.zero_grad(set_to_none=True)
-                # [pg_loss, kl_loss, clipfrac·tok, ppo_kl·tok, clipfrac_lower·tok, entropy·tok]
-                local = torch.zeros(6, dtype=torch.float64)
-                for sl in _split_rows(len(mb), micro_size):
-                    micro = mb.index(sl)
-                    mask = resp_mask[sl].to(self.device)
-                    n_tok = float(mask.sum())
-                    log_prob, entropy = self._forward(micro, temperature, calc_entropy=entropy_coeff != 0)
-                    pg_loss, clipfrac, ppo_kl, clipfrac_lower = core_algos.compute_policy_loss(
-                        old_log_prob=micro["old_log_probs"].to(self.device), log_prob=log_prob,
-                        advantages=micro["advantages"].to(self.device), response_mask=mask,
-                        cliprange=clip, cliprange_low=clip_low, cliprange_high=clip_high, clip_ratio_c=clip_c,
-                        loss_agg_mode=mode, **agg)
-                    loss = pg_loss
-                    if entropy_coeff != 0:
-                        loss = loss - entropy_coeff * core_algos.agg_loss(entropy, mask, mode, **agg)
-                        local[5] += float((entropy.detach() * mask).sum())
-                    if use_kl:
-                        kl_loss = core_algos.compute_kl_loss(log_prob, micro["ref_log_prob"].to(self.device), mask,
-                                                             kl_type, mode, **agg)
-                        loss = loss + kl_coef * kl_loss
-                        local[1] += float(kl_loss.detach())
-                    loss.backward()
-                    local[0] += float(pg_loss.detach())
-                    local[2] += float(clipfrac.detach()) * n_tok
-                    local[3] += float(ppo_kl.detach()) * n_tok
-                    local[4] += float(clipfrac_lower.detach()) * n_tok
-
-                grad_norm = _full(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=grad_clip))
-                if torch.isfinite(grad_norm):
-                    self.optimizer.step()
-                else:
-                    logger.warning("actor: grad_norm is %s; skipping this mini-batch's optimizer step", grad_norm)
-                    self.optimizer.zero_grad(set_to_none=True)
-                tot = self._all_reduce_sum(local)
-                # Each rank's losses are (local numerator / global count) · world size.
-                sums["actor/pg_loss"] += float(tot[0]) / self.world_size
-                sums["actor/kl_loss"] += float(tot[1]) / self.world_size
-                per_tok = max(g_tokens, 1.0)
-                sums["actor/pg_clipfrac"] += float(tot[2]) / per_tok
-                sums["actor/ppo_kl"] += float(tot[3]) / per_tok
-                sums["actor/pg_clipfrac_lower"] += float(tot[4]) / per_tok
-                sums["actor/entropy"] += float(tot[5]) / per_tok
-                sums["actor/grad_norm"] += float(grad_norm)
-                n_updates += 1
-        self.lr_scheduler.step()
-        metrics = {k: v / max(1, n_updates) for k, v in sums.items()}
-        metrics["actor/lr"] = lr
-        if entropy_coeff == 0:
-            metrics.pop("actor/entropy")  # not computed in the update (the trainer logs it from old log-probs)
-        if not use_kl:
-            metrics.pop("actor/kl_loss")
-        return metrics
+        try:
+            return ppo_update(self, batch)
+        finally:
+            release_memory()
 
     # ------------------------------------------------------------------------------------------------
     # weights out: engine hand-over, HF export, inspection
@@ -354,12 +280,16 @@ class ActorWorker:
     def save_weights_for_engine(self, out_dir: str, dtype: str | None = None) -> str | None:
         """Write ``out_dir/model.safetensors`` (+ ``config.json``) for an engine's ``update_weights``.
         Collective; rank 0 writes. ``dtype`` ("bfloat16", ...) converts floating tensors to move fewer bytes."""
+        try:
+            state = self.state_dict_for_engine()
+            return None if state is None else self._write_engine_weights(state, Path(out_dir), dtype)
+        finally:
+            state = None
+            release_memory()  # the gathered full state dict is the size of the whole model
+
+    def _write_engine_weights(self, state: dict[str, torch.Tensor], out: Path, dtype: str | None) -> str:
         from safetensors.torch import save_file
 
-        state = self.state_dict_for_engine()
-        if state is None:
-            return None
-        out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         target = getattr(torch, dtype) if dtype else None
         tensors = {k: (v.to(target) if target is not None and v.is_floating_point() else v).contiguous()
@@ -377,19 +307,24 @@ class ActorWorker:
         vLLM. Collective; rank 0 writes."""
         from arpo.trainer.checkpoint import export_hf_model
 
-        state = self.state_dict_for_engine()
-        if state is None:
-            return None
-        return str(export_hf_model(state, self.model.config, cfg_get(self.config, "actor_rollout_ref.model.path"),
-                                   out_dir))
+        try:
+            state = self.state_dict_for_engine()
+            if state is None:
+                return None
+            return str(export_hf_model(state, self.model.config,
+                                       cfg_get(self.config, "actor_rollout_ref.model.path"), out_dir))
+        finally:
+            state = None
+            release_memory()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter unsharded, on CPU (collective; tests and debugging)."""
-        return {n: _full(p.detach()).cpu() for n, p in self.model.named_parameters()}
+        return {n: full_tensor(p.detach()).cpu() for n, p in self.model.named_parameters()}
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Gradients of the last mini-batch, unsharded, on CPU (collective; tests and debugging)."""
-        return {n: _full(p.grad.detach()).cpu() for n, p in self.model.named_parameters() if p.grad is not None}
+        return {n: full_tensor(p.grad.detach()).cpu() for n, p in self.model.named_parameters()
+                if p.grad is not None}
 
     # ------------------------------------------------------------------------------------------------
     # checkpoints
@@ -412,6 +347,11 @@ class ActorWorker:
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def memory_stats(self, reset_peak: bool = False) -> dict[str, float]:
+        """This rank's resident memory now and at its peak (MiB) and CPU seconds, see
+        :func:`arpo.trainer.memory.memory_stats`."""
+        return {"rank": self.rank, **memory_stats(reset_peak)}
 
     def shutdown(self) -> None:
         if dist.is_initialized():

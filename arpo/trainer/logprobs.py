@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-DEFAULT_CHUNK_SIZE = 1024
+DEFAULT_CHUNK_SIZE = 256  # configs/algorithm.yaml: actor_rollout_ref.actor.logprob_chunk_size
 
 
 def _logprob_entropy_rows(logits: torch.Tensor, labels: torch.Tensor | None,
@@ -52,48 +52,122 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SI
     return (torch.cat(out) if out else flat.new_zeros(0, dtype=torch.float32)).reshape(logits.shape[:-1])
 
 
+class _PreciseLinear(torch.autograd.Function):
+    """``x @ W.T (+ b)`` in fp32, with the backward's two matmuls in ``low`` precision (fp32 accumulation).
+
+    The forward is what log-probs are made of, so it keeps fp32; the backward only feeds gradients, which
+    the decoder computes in bf16 anyway, and its two matmuls are half the head's cost (bf16 is ~5x fp32 on a
+    CPU with avx512_bf16)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                low: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.low, ctx.has_bias = low, bias is not None
+        return nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        g = grad.to(ctx.low)
+        grad_x = (g @ weight.to(ctx.low)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = (g.t() @ x.to(ctx.low)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None
+
+
 def _head_chunk(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, temperature: float,
-                calc_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = head(hidden).float()
+                calc_entropy: bool, entropy_grad: bool, head_fp32: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    device_type = hidden.device.type
+    if head_fp32 and torch.is_autocast_enabled(device_type) and isinstance(head, nn.Linear):
+        # bf16 logits are rounded to 8 bits of mantissa: 0.125 apart at 16-32, so log-probs would be off
+        # by up to ~0.06. The head's forward alone in fp32 keeps them to the decoder's own smaller error.
+        low = torch.get_autocast_dtype(device_type)
+        with torch.autocast(device_type, enabled=False):
+            logits = _PreciseLinear.apply(hidden.float(), head.weight, head.bias, low)
+    else:
+        logits = head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
-    logp, ent = _logprob_entropy_rows(logits, labels, calc_entropy)
-    return logp, (ent if ent is not None else torch.zeros_like(logp))
+    if not calc_entropy or entropy_grad:
+        logp, ent = _logprob_entropy_rows(logits, labels, calc_entropy)
+        return logp, (ent if ent is not None else torch.zeros_like(logp))
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
+    # Entropy as a metric only: nothing saved for backward, and a recompute stops before it (checkpoint's
+    # early stop ends the replay once the tensors the backward needs exist).
+    with torch.no_grad():
+        probs = (logits - lse.unsqueeze(-1)).exp_()
+        ent = lse - torch.linalg.vecdot(probs, logits)
+    return logp, ent
 
 
 class _ChunkedResponseHead(nn.Module):
-    """Stands in for a causal LM's output head during one forward: instead of logits it returns, for the
-    last ``response_length`` positions, a (B, R, 2) tensor of [log-prob of the next token, entropy].
+    """Stands in for a causal LM's output head during one forward: instead of logits it returns a (B, R, 2)
+    tensor of [log-prob of the response token, entropy] for ``labels`` (B, R), where ``sources`` (B, R)
+    is the column whose hidden state predicts each of them.
 
     Running inside the model's own forward keeps wrappers such as FSDP2 (which gather parameters in the
     root module's forward hooks, tied embeddings included) working unchanged.
     """
 
-    def __init__(self, head: nn.Module, labels: torch.Tensor, valid: torch.Tensor, chunk_size: int,
-                 temperature: float, calc_entropy: bool):
+    def __init__(self, head: nn.Module, labels: torch.Tensor, valid: torch.Tensor, sources: torch.Tensor,
+                 chunk_size: int, temperature: float, calc_entropy: bool, entropy_grad: bool = True,
+                 head_fp32: bool = True):
         super().__init__()
         self.head = head
-        self.labels, self.valid = labels, valid
+        self.labels, self.valid, self.sources = labels, valid, sources
         self.chunk_size, self.temperature, self.calc_entropy = chunk_size, temperature, calc_entropy
+        self.entropy_grad, self.head_fp32 = entropy_grad, head_fp32
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         b, r = self.labels.shape
-        # The hidden state at position p predicts token p + 1: positions [-R-1, -1) predict the response.
-        hidden = hidden_states[:, -r - 1: -1, :][self.valid]
-        labels = self.labels[self.valid]
+        rows, cols = self.valid.nonzero(as_tuple=True)
+        hidden = hidden_states[rows, self.sources[rows, cols]]
+        labels = self.labels[rows, cols]
         use_ckpt = torch.is_grad_enabled() and hidden.requires_grad
         logps, ents = [], []
         for i in range(0, hidden.shape[0], self.chunk_size):
             args = (self.head, hidden[i: i + self.chunk_size], labels[i: i + self.chunk_size],
-                    self.temperature, self.calc_entropy)
+                    self.temperature, self.calc_entropy, self.entropy_grad, self.head_fp32)
             logp, ent = checkpoint(_head_chunk, *args, use_reentrant=False) if use_ckpt else _head_chunk(*args)
             logps.append(logp)
             ents.append(ent)
         out = hidden_states.new_zeros((b, r, 2), dtype=torch.float32)
         if logps:
-            out = out.index_put((*self.valid.nonzero(as_tuple=True),),
-                                torch.stack([torch.cat(logps), torch.cat(ents)], dim=-1))
+            out = out.index_put((rows, cols), torch.stack([torch.cat(logps), torch.cat(ents)], dim=-1))
         return out
+
+
+def left_align(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+               response_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Rows of a verl-layout batch (left-padded prompt ‖ right-padded response) moved to the left edge and
+    cut to the longest: ``(input_ids, position_ids, sources)``, with ``sources`` (B, R) the column whose
+    hidden state predicts each response token. None when a row's tokens are not one contiguous run.
+
+    The batch is padded to its longest prompt plus its longest response; a micro-batch then runs the
+    decoder on every padding column, and the padding mask forces masked attention. Left-aligned, each row
+    needs only the causal mask (the padding now sits after all its tokens, where causality hides it), so
+    the model runs without an attention mask: sdpa's causal kernel, over max(prompt + response) columns.
+    Real tokens keep their positions, so they compute exactly what they did; padding columns get positions
+    that continue the row's (HF would otherwise read repeated positions as packed sequences)."""
+    mask = attention_mask.bool()
+    lengths = mask.sum(dim=1)
+    starts = mask.int().argmax(dim=1)  # first real column (0 for an empty row)
+    width = int(lengths.max()) if lengths.numel() else 0
+    cols = torch.arange(input_ids.shape[1], device=input_ids.device)
+    run = (cols >= starts.unsqueeze(1)) & (cols < (starts + lengths).unsqueeze(1))
+    if width == 0 or not torch.equal(run, mask):
+        return None
+    new_cols = torch.arange(width, device=input_ids.device)
+    src = (starts.unsqueeze(1) + new_cols).clamp(max=input_ids.shape[1] - 1)
+    real = new_cols < lengths.unsqueeze(1)
+    ids = torch.where(real, input_ids.gather(1, src), 0)
+    last_pos = position_ids.gather(1, (starts + lengths - 1).clamp(min=0).unsqueeze(1))
+    pos = torch.where(real, position_ids.gather(1, src), last_pos + 1 + new_cols - lengths.unsqueeze(1))
+    prompt_lengths = input_ids.shape[1] - response_length - starts
+    sources = (prompt_lengths.unsqueeze(1) - 1 + torch.arange(response_length, device=input_ids.device)).clamp(min=0)
+    return ids, pos, sources
 
 
 def compute_logprobs_and_entropy(
@@ -105,6 +179,10 @@ def compute_logprobs_and_entropy(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     temperature: float = 1.0,
     calc_entropy: bool = False,
+    entropy_grad: bool = True,
+    head_fp32: bool = True,
+    pack: bool = True,
+    head_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of the response tokens of a verl-layout batch under a HF causal LM.
 
@@ -114,6 +192,12 @@ def compute_logprobs_and_entropy(
     the full (B, T, V) logits never exist. Logits are divided by ``temperature`` (the rollout's) before the
     softmax, as verl does. Returns fp32 ``(log_probs (B, R), entropy (B, R) or None)``; positions where
     ``attention_mask`` is 0 are 0.
+
+    ``entropy_grad=False`` computes the entropy as a metric (no graph, no backward cost). Under autocast
+    ``head_fp32`` runs the output projection in fp32 (see :func:`_head_chunk`). ``pack`` runs the rows
+    left-aligned without padding mask (:func:`left_align`). ``head_mask`` (B, R), e.g. the update's loss
+    mask, restricts the vocabulary projection to those positions (tool results carry no loss): others are
+    0 too.
     """
     if response_length < 1 or response_length >= input_ids.shape[1]:
         raise ValueError(f"response_length must be in [1, {input_ids.shape[1] - 1}], got {response_length}")
@@ -126,7 +210,18 @@ def compute_logprobs_and_entropy(
         raise ValueError(f"{type(model).__name__} has no lm_head; pass a causal LM (e.g. Qwen2ForCausalLM)")
     labels = input_ids[:, -response_length:]
     valid = attention_mask[:, -response_length:].bool()
-    model.lm_head = _ChunkedResponseHead(head, labels, valid, chunk_size, temperature, calc_entropy)
+    if head_mask is not None:
+        valid = valid & head_mask.bool()
+    aligned = left_align(input_ids, attention_mask, position_ids, response_length) if pack else None
+    if aligned is not None:
+        input_ids, position_ids, sources = aligned
+        attention_mask = None
+    else:
+        # The hidden state at column p predicts token p + 1: columns [-R-1, -1) predict the response.
+        first = input_ids.shape[1] - response_length - 1
+        sources = (first + torch.arange(response_length, device=input_ids.device)).expand(len(labels), -1)
+    model.lm_head = _ChunkedResponseHead(head, labels, valid, sources, chunk_size, temperature, calc_entropy,
+                                         entropy_grad, head_fp32)
     try:
         out: Any = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=False)

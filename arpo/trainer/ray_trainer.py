@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from arpo.batch import DataBatch
 from arpo.trainer import core_algos
+from arpo.trainer.actor_config import needs_old_log_prob_pass
 from arpo.trainer.hard_advantage import apply_advantage_mode
 from arpo.trainer.metrics import Timer, compute_data_metrics
 
@@ -122,12 +123,16 @@ class RayARPOTrainer:
             with timer.phase("reward"):
                 batch, reward_metrics = self._score(batch)
                 metrics.update(reward_metrics)
-            with timer.phase("old_log_prob"):
-                out = self.actor_wg.compute_log_prob(batch, calc_entropy=True)
-                batch.tensors["old_log_probs"] = out["log_probs"]
-                if "entropy" in out:
-                    m = batch.tensors["response_mask"].bool()
-                    metrics["actor/entropy"] = out["entropy"][m].mean().item() if m.any() else 0.0
+            # On-policy (one mini-batch, one epoch: ARPO's setting) the update takes old log-probs and
+            # actor/entropy from its own forward, as verl's dp_actor does; the released ARPO code (older
+            # verl) always ran this pass, which changes only float rounding.
+            if needs_old_log_prob_pass(cfg):
+                with timer.phase("old_log_prob"):
+                    out = self.actor_wg.compute_log_prob(batch, calc_entropy=True)
+                    batch.tensors["old_log_probs"] = out["log_probs"]
+                    if "entropy" in out:
+                        m = batch.tensors["response_mask"].bool()
+                        metrics["actor/entropy"] = out["entropy"][m].mean().item() if m.any() else 0.0
             if self.ref_wg is not None:
                 with timer.phase("ref"):
                     batch.tensors["ref_log_prob"] = self.ref_wg.compute_log_prob(batch)["log_probs"]

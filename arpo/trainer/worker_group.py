@@ -7,7 +7,10 @@ Batches are split by rank so that the result does not depend on the world size: 
 global batch is cut into PPO mini-batches of ``ppo_mini_batch_size * rollout.n`` rows first, and rank r gets
 the r-th slice of *each* mini-batch, so every optimizer step sees exactly the rows one process would see.
 A mini-batch (or batch) that does not split evenly is padded with copies of its last row marked
-``is_pad`` = 1, which carry no loss and are dropped from the results.
+``is_pad`` = 1, which carry no loss and are dropped from the results. Ranks computing in low precision
+get rows dealt by length (``balance``; fp32 keeps one process's order, see DeviceSettings.fast_layout):
+every collective waits for the slowest rank, so each rank's i-th micro-batch should cost about the same;
+the loss is a sum over rows, so which rank holds a row changes the update only by rounding.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 from arpo.batch import DataBatch
 from arpo.trainer.actor_config import cfg_get, mini_batch_rows, to_plain, world_size as config_world_size
+from arpo.trainer.memory import allocator_env
 
 logger = logging.getLogger(__name__)
 
@@ -43,25 +47,53 @@ def pad_to_multiple(batch: DataBatch, multiple: int) -> tuple[DataBatch, int]:
     return out, pad
 
 
-def split_for_ranks(batch: DataBatch, world_size: int, mini_batch_rows: int | None = None) -> tuple[list[DataBatch], int]:
+def balanced_order(attention_mask: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Row order whose ``world_size`` equal contiguous chunks hold about equal tokens, each longest first:
+    rows sorted by length are dealt to the ranks in snake order (0, 1, ..., W-1, W-1, ..., 0, ...)."""
+    by_length = torch.argsort(attention_mask.sum(dim=1), descending=True, stable=True).tolist()
+    ranks: list[list[int]] = [[] for _ in range(world_size)]
+    for i, row in enumerate(by_length):
+        lap, pos = divmod(i, world_size)
+        ranks[pos if lap % 2 == 0 else world_size - 1 - pos].append(row)
+    return torch.tensor([row for rank in ranks for row in rank], dtype=torch.long)
+
+
+def split_for_ranks(batch: DataBatch, world_size: int, mini_batch_rows: int | None = None,
+                    balance: bool = False) -> tuple[list[DataBatch], int]:
     """Per-rank shares of ``batch``. With ``mini_batch_rows``: rank r gets the r-th slice of every
     mini-batch (each padded to a multiple of ``world_size``); returns (shares, rows per rank per full
-    mini-batch). Without: contiguous equal chunks of the padded batch; returns (shares, 0)."""
+    mini-batch). Without: contiguous equal chunks of the padded batch; returns (shares, 0).
+
+    ``balance`` deals each (mini-)batch's rows by length instead (:func:`balanced_order`); the shares of
+    the plain split then carry ``row_index`` (the row's place in the padded batch) for :func:`gather_rows`."""
     if mini_batch_rows is None:
         padded, _ = pad_to_multiple(batch, world_size)
+        if balance:
+            order = balanced_order(padded["attention_mask"], world_size)
+            padded = padded.index(order)
+            padded.tensors["row_index"] = order
         return padded.chunk(world_size), 0
     pieces: list[list[DataBatch]] = [[] for _ in range(world_size)]
     per_rank = math.ceil(mini_batch_rows / world_size)
     for start in range(0, len(batch), mini_batch_rows):
         mb, _ = pad_to_multiple(batch.index(slice(start, min(len(batch), start + mini_batch_rows))), world_size)
+        if balance:
+            mb = mb.index(balanced_order(mb["attention_mask"], world_size))
         for r, chunk in enumerate(mb.chunk(world_size)):
             pieces[r].append(chunk)
     return [DataBatch.concat(p) for p in pieces], per_rank
 
 
-def gather_rows(results: list[dict[str, torch.Tensor]], is_pad: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Concatenate per-rank row tensors in rank order, dropping pad rows."""
-    keep = (torch.cat(is_pad) == 0).nonzero(as_tuple=True)[0]
+def gather_rows(results: list[dict[str, torch.Tensor]], is_pad: list[torch.Tensor],
+                row_index: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Concatenate per-rank row tensors in rank order (or back into ``row_index`` order), dropping pad rows."""
+    pads = torch.cat(is_pad)
+    if row_index is not None:
+        order = torch.argsort(torch.cat(row_index))
+        pads = pads[order]
+    else:
+        order = torch.arange(len(pads))
+    keep = order[pads == 0]
     return {k: torch.cat([r[k] for r in results])[keep] for k in results[0]}
 
 
@@ -95,10 +127,12 @@ class RayWorkerGroup:
         num_cpus = float(num_cpus if num_cpus is not None else cfg_get(self.config, "trainer.cpus_per_worker", 1))
         num_gpus = float(num_gpus if num_gpus is not None else (1 if on_gpu else 0))
         # Ray gives each actor OMP_NUM_THREADS = its num_cpus and the driver's sys.path (so `arpo` imports).
+        # glibc reads its tunables at process start: huge pages for the ranks' large blocks (memory.py).
+        env = {**(ray.get_runtime_context().runtime_env.get("env_vars") or {}), **allocator_env()}
         remote_cls = ray.remote(ActorWorker)
         self.workers = []
         for rank in range(self.world_size):
-            options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+            options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "runtime_env": {"env_vars": env}}
             if name_prefix:
                 options["name"] = f"{name_prefix}_{role}_{rank}"
             if placement_group is not None:
@@ -129,16 +163,23 @@ class RayWorkerGroup:
 
     # -- the trainer's calls ----------------------------------------------------------------------------
 
+    def _balance(self) -> bool:
+        """Deal rows to ranks by length, except in the exact mode (see DeviceSettings.fast_layout)."""
+        return bool(self.init_info[0].get("fast_layout", False))
+
     def compute_log_prob(self, batch: DataBatch, calc_entropy: bool | None = None) -> dict[str, torch.Tensor]:
         """``{"log_probs": (B, T)}`` (+ ``"entropy"``; by default for the actor role) in ``batch`` row order;
         see :meth:`ActorWorker.compute_log_prob`."""
-        shares, _ = split_for_ranks(_tensors_only(batch), self.world_size)
+        balance = self._balance()
+        shares, _ = split_for_ranks(_tensors_only(batch), self.world_size, balance=balance)
         results = self.execute_split("compute_log_prob", shares, calc_entropy=calc_entropy)
-        return gather_rows(results, [s["is_pad"] for s in shares])
+        return gather_rows(results, [s["is_pad"] for s in shares],
+                           [s["row_index"] for s in shares] if balance else None)
 
     def update_policy(self, batch: DataBatch) -> dict[str, float]:
         """One PPO update on ``batch`` (see :meth:`ActorWorker.update_policy`); returns verl's metrics."""
-        shares, per_rank = split_for_ranks(_tensors_only(batch), self.world_size, mini_batch_rows(self.config))
+        shares, per_rank = split_for_ranks(_tensors_only(batch), self.world_size, mini_batch_rows(self.config),
+                                           balance=self._balance())
         for s in shares:
             s.meta["mini_batch_rows_per_rank"] = per_rank
         return self.execute_split("update_policy", shares)[0]

@@ -23,11 +23,15 @@ def _hf_log_probs(model_dir, batch, temperature=1.0):
     return logp * batch["attention_mask"][:, -r:]
 
 
-def test_two_rank_update_equals_one_process(small_model, ray_cluster):
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient_checkpointing"])
+def test_two_rank_update_equals_one_process(small_model, ray_cluster, checkpointing):
     from arpo.trainer.worker_group import RayWorkerGroup
 
     # 4 prompts x n=2 = 8 rows; mini-batches of 2 prompts (4 rows, 2 per rank); micro-batches of 1 row.
+    # Gradient checkpointing recomputes each decoder layer in the backward pass (FSDP2 gathers its
+    # parameters again): the gradients must still be those of one plain process.
     cfg = base_config(small_model, world=2)
+    cfg["actor_rollout_ref"]["model"]["enable_gradient_checkpointing"] = checkpointing
     group = RayWorkerGroup(cfg, role="actor")
     try:
         batch = random_batch(8, seed=1)
@@ -95,3 +99,87 @@ def test_ref_role_gives_reference_log_probs(small_model, ray_cluster):
         group.shutdown()
     assert set(out) == {"log_probs"}
     assert torch.allclose(out["log_probs"], _hf_log_probs(small_model, batch, temperature=0.7), atol=1e-5)
+
+
+def test_on_policy_update_without_old_log_probs_equals_update_with_them(small_model, ray_cluster):
+    """One mini-batch and one epoch: the update may take its old log-probs from its own forward (verl's
+    on-policy path) instead of a separate pass; parameters, losses and the entropy metric are the same."""
+    from arpo.trainer.worker_group import RayWorkerGroup
+
+    # data.train_batch_size 4 prompts = ppo_mini_batch_size: one mini-batch of 8 rows, 2 micro-batches of 2 per rank.
+    cfg = base_config(small_model, world=2, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, entropy_coeff=0.0)
+    # The two ways differ by rounding only (a ratio of 1 ± 1e-7 against exactly 1). Adam's first step is
+    # lr·g/(|g| + eps): with eps 1e-8 it maps gradients that are 0 in exact arithmetic (rounding noise) to
+    # ±lr; with eps 1e-4 it stays proportional to them, so the parameters compare the update itself.
+    cfg["actor_rollout_ref"]["actor"]["optim"]["eps"] = 1e-4
+    batch = random_batch(8, seed=7)
+    runs = {}
+    for name in ("two_passes", "on_policy"):
+        group = RayWorkerGroup(cfg, role="actor")
+        try:
+            old = group.compute_log_prob(batch)  # the same for both: the first update has not happened yet
+            train = add_training_columns(batch, old["log_probs"], seed=8)
+            if name == "two_passes":
+                train.tensors["old_log_probs"] = old["log_probs"]
+            else:
+                del train.tensors["old_log_probs"]
+            runs[name] = (group.update_policy(train), group.full_parameters(), group.full_gradients(), old)
+        finally:
+            group.shutdown()
+    (m_two, p_two, g_two, old), (m_on, p_on, g_on, _) = runs["two_passes"], runs["on_policy"]
+    assert max_abs_diff(g_two, g_on) < 1e-6
+    assert max_abs_diff(p_two, p_on) < 1e-6
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+        assert m_on[key] == pytest.approx(m_two[key], rel=1e-5, abs=1e-7), key
+    # The ratio is exactly 1 on-policy: nothing is clipped and the approximate KL is 0.
+    assert m_on["actor/pg_clipfrac"] == 0 and m_on["actor/ppo_kl"] == 0
+    # The entropy metric moves from the old-log-prob pass (the trainer computed it there) into the update.
+    assert "actor/entropy" not in m_two
+    mask = batch["response_mask"].bool()
+    assert m_on["actor/entropy"] == pytest.approx(float(old["entropy"][mask].mean()), rel=1e-5)
+
+
+def test_update_without_old_log_probs_needs_an_on_policy_config(small_model, ray_cluster):
+    from arpo.trainer.worker_group import RayWorkerGroup
+
+    cfg = base_config(small_model, world=2)  # mini-batches of 2 of the 4 prompts: not on-policy
+    group = RayWorkerGroup(cfg, role="actor")
+    try:
+        batch = random_batch(8, seed=9)
+        train = add_training_columns(batch, group.compute_log_prob(batch)["log_probs"], seed=10)
+        del train.tensors["old_log_probs"]
+        with pytest.raises(Exception, match="only an on-policy update"):
+            group.update_policy(train)
+    finally:
+        group.shutdown()
+
+
+def test_bf16_ranks_autocast_and_agree_with_fp32(small_model, ray_cluster):
+    """dtype=bfloat16 on CPU: the ranks run under autocast (fp32 master weights) and their log-probs stay
+    within two bf16 roundings (u = 2^-8) of the largest logit of the fp32 model's; the update runs."""
+    from transformers import AutoModelForCausalLM
+
+    from arpo.trainer.worker_group import RayWorkerGroup
+
+    cfg = base_config(small_model, world=2, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2)
+    cfg["actor_rollout_ref"]["model"]["dtype"] = "bfloat16"
+    batch = random_batch(8, seed=11)
+    group = RayWorkerGroup(cfg, role="actor")
+    try:
+        assert all(info["autocast"] and info["dtype"] == "torch.bfloat16" for info in group.init_info)
+        out = group.compute_log_prob(batch)
+        train = add_training_columns(batch, out["log_probs"], seed=12)
+        del train.tensors["old_log_probs"]
+        metrics = group.update_policy(train)
+        params = group.full_parameters()
+    finally:
+        group.shutdown()
+    model = AutoModelForCausalLM.from_pretrained(str(small_model), dtype=torch.float32)
+    with torch.no_grad():
+        max_logit = float(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                position_ids=batch["position_ids"]).logits.abs().max())
+    valid = batch["attention_mask"][:, -batch["responses"].shape[1]:].bool()
+    err = (out["log_probs"] - _hf_log_probs(small_model, batch))[valid].abs().max()
+    assert 0 < float(err) <= 2 * 2.0 ** -8 * max_logit
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+    assert all(p.dtype == torch.float32 for p in params.values())  # master weights stay fp32

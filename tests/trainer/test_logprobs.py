@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from arpo.trainer.logprobs import compute_logprobs_and_entropy, entropy_from_logits, logprobs_from_logits
+from arpo.trainer.logprobs import (compute_logprobs_and_entropy, entropy_from_logits, left_align,
+                                   logprobs_from_logits)
 
 VOCAB = 101
 
@@ -161,3 +162,107 @@ def test_compute_logprobs_under_fsdp2(tmp_path):
     proc = subprocess.run([sys.executable, "-c", FSDP_SCRIPT, str(port)], cwd=root, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
     assert proc.returncode == 0 and "FSDP2-OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+def _padded_batch():
+    """_verl_batch with 3 extra padding columns on each side that no row uses (as a micro-batch of short
+    rows cut from a batch with longer ones)."""
+    input_ids, attn, position_ids, r_len = _verl_batch()
+    pad = lambda t: torch.nn.functional.pad(t, (3, 3))  # noqa: E731
+    return pad(input_ids), pad(attn), pad(position_ids), r_len + 3
+
+
+def test_left_aligned_rows_without_padding_mask_change_nothing():
+    model = _tiny_model(False)
+    input_ids, attn, position_ids, r_len = _padded_batch()
+    ids, pos, sources = left_align(input_ids, attn, position_ids, r_len)
+    lengths = attn.sum(1)
+    assert ids.shape[1] == int(lengths.max())  # no column is padding for every row
+    for i in range(len(ids)):  # each row's tokens and positions, moved to the left edge, in order
+        assert ids[i, : lengths[i]].tolist() == input_ids[i][attn[i].bool()].tolist()
+        assert pos[i, : lengths[i]].tolist() == position_ids[i][attn[i].bool()].tolist()
+    # Padding positions continue the row's, so HF does not read them as the start of a packed sequence.
+    assert bool((pos.diff(dim=1) == 1).all())
+    # The column before each response token predicts it.
+    first = sources[:, 0]
+    assert ids[torch.arange(3), first + 1].tolist() == input_ids[:, -r_len].tolist()
+
+    results = []
+    for pack in (False, True):
+        model.zero_grad()
+        lp, ent = compute_logprobs_and_entropy(model, input_ids, attn, position_ids, r_len, chunk_size=4,
+                                               calc_entropy=True, pack=pack)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        results.append((lp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]))
+    (lp0, ent0, g0), (lp1, ent1, g1) = results
+    assert lp1.shape == lp0.shape == (3, r_len)
+    torch.testing.assert_close(lp1, lp0, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ent1, ent0, atol=1e-6, rtol=1e-6)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_left_align_declines_rows_with_holes():
+    input_ids, attn, position_ids, r_len = _verl_batch()
+    attn = attn.clone()
+    attn[0, -r_len + 1] = 0  # a hole inside row 0's response
+    assert left_align(input_ids, attn, position_ids, r_len) is None
+
+
+def test_head_mask_projects_only_the_loss_positions():
+    model = _tiny_model(True)
+    input_ids, attn, position_ids, r_len = _verl_batch()
+    loss_mask = attn[:, -r_len:].clone()
+    loss_mask[:, 1::2] = 0  # e.g. tool-result tokens: in the sequence, but no loss
+    weights = torch.linspace(-1, 1, r_len).expand(3, r_len) * loss_mask
+    grads = []
+    for head_mask in (None, loss_mask):
+        model.zero_grad()
+        lp, _ = compute_logprobs_and_entropy(model, input_ids, attn, position_ids, r_len, chunk_size=4,
+                                             head_mask=head_mask)
+        (lp * weights).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        if head_mask is None:
+            full = lp.detach()
+    torch.testing.assert_close(lp.detach(), full * loss_mask, atol=1e-6, rtol=1e-6)
+    assert not lp.detach()[loss_mask == 0].any()
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_entropy_as_a_metric_has_the_same_values_and_no_gradient():
+    model = _tiny_model(False)
+    input_ids, attn, position_ids, r_len = _verl_batch()
+    lp, ent = compute_logprobs_and_entropy(model, input_ids, attn, position_ids, r_len, chunk_size=4,
+                                           calc_entropy=True, entropy_grad=False)
+    _, ent_grad = compute_logprobs_and_entropy(model, input_ids, attn, position_ids, r_len, chunk_size=4,
+                                               calc_entropy=True, entropy_grad=True)
+    torch.testing.assert_close(ent, ent_grad.detach(), atol=1e-6, rtol=1e-6)
+    ent.sum().backward()  # the output shares a graph with the log-probs, but no gradient reaches the weights
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def test_bf16_autocast_log_probs_agree_with_fp32():
+    """CPU bf16 autocast (the decoder's matmuls and attention in bf16, the head in fp32) against fp32.
+
+    bf16 keeps 8 significant bits: one rounding moves a value by up to u = 2^-8 of itself, so rounding the
+    logits alone could move a log-prob by ~u·max|logit|. With the head in fp32 only the hidden states carry
+    rounding; the tolerance allows two such roundings, and the fp32 head must beat a bf16 one."""
+    model = _tiny_model(True)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)  # logits up to ~12, log-probs near -8: as peaked as a trained model's
+    input_ids, attn, position_ids, r_len = _verl_batch()
+    valid = attn[:, -r_len:].bool()
+    with torch.no_grad():
+        max_logit = float(model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids).logits.abs().max())
+        lp32, ent32 = compute_logprobs_and_entropy(model, input_ids, attn, position_ids, r_len, calc_entropy=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            lp16, ent16 = compute_logprobs_and_entropy(model, input_ids, attn, position_ids, r_len, calc_entropy=True)
+            lp_bf16_head, _ = compute_logprobs_and_entropy(model, input_ids, attn, position_ids, r_len,
+                                                           head_fp32=False)
+    assert lp16.dtype == torch.float32
+    u = 2.0 ** -8
+    err = float((lp16 - lp32)[valid].abs().max())
+    assert 0 < err <= 2 * u * max_logit  # > 0: autocast did compute in bf16
+    assert float((ent16 - ent32)[valid].abs().max()) <= 2 * u * max_logit
+    assert err < float((lp_bf16_head - lp32)[valid].abs().max())

@@ -107,8 +107,9 @@ def reference_update(model_dir: Path, batch: DataBatch, cfg: dict) -> tuple[dict
         for start in range(0, len(batch), rows):
             mb = batch.index(slice(start, start + rows))
             opt.zero_grad(set_to_none=True)
+            # The plain padded layout with masked attention (fp32 ranks use it too: DeviceSettings.fast_layout).
             logp, ent = compute_logprobs_and_entropy(model, mb["input_ids"], mb["attention_mask"], mb["position_ids"],
-                                                     mb["responses"].shape[1], calc_entropy=True)
+                                                     mb["responses"].shape[1], calc_entropy=True, pack=False)
             mask = mb["response_mask"].float()
             mode = a["loss_agg_mode"]
             pg_loss, clipfrac, ppo_kl, lower = core_algos.compute_policy_loss(
@@ -122,7 +123,7 @@ def reference_update(model_dir: Path, batch: DataBatch, cfg: dict) -> tuple[dict
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), a["grad_clip"])
             opt.step()
             metrics.append({"pg_loss": float(pg_loss.detach()), "kl_loss": float(kl.detach()), "grad_norm": float(norm),
-                            "pg_clipfrac": float(clipfrac), "ppo_kl": float(ppo_kl)})
+                            "pg_clipfrac": float(clipfrac.detach()), "ppo_kl": float(ppo_kl.detach())})
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return params, grads, metrics

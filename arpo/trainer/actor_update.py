@@ -1,0 +1,167 @@
+"""verl's dp_actor.update_policy for one FSDP2 rank: PPO epochs over mini-batches over micro-batches.
+
+Data parallelism is exact: for each PPO mini-batch the loss normaliser (token count for token-mean, row count
+for the seq modes) is all-reduced over ranks first, each micro-batch's loss is divided by that *global* count
+and multiplied by the world size, and FSDP2 averages the gradients over ranks. The gradient of every
+mini-batch is then the gradient of the loss of the whole mini-batch computed in one process, whatever the
+number of ranks or micro-batches (tests/trainer/test_fsdp_update.py checks it to 1e-6).
+
+On-policy updates (one mini-batch per step and ``ppo_epochs`` = 1, ARPO's setting) need no old log-probs:
+the policy that sampled is the one being updated, so ``old_log_probs`` is the detached log-prob of the
+update's own forward and the PPO ratio is exactly 1. verl's dp_actor does the same (``on_policy = len(
+mini_batches) == 1 and ppo_epochs == 1``); the released ARPO code (an older verl) always runs a separate
+old-log-prob pass first, which gives the same update up to float rounding at the cost of one more forward
+over the batch. A batch without ``old_log_probs`` takes this path, and the entropy metric then comes from
+the same forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from arpo.batch import DataBatch
+from arpo.trainer import core_algos
+from arpo.trainer.actor_config import cfg_get, mini_batch_rows
+
+if TYPE_CHECKING:
+    from arpo.trainer.fsdp_worker import ActorWorker
+
+logger = logging.getLogger(__name__)
+
+#: Metrics returned by the update (verl's names).
+METRIC_KEYS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/entropy",
+               "actor/kl_loss", "actor/grad_norm", "actor/lr")
+
+
+def split_rows(n: int, size: int) -> list[slice]:
+    return [slice(i, min(n, i + size)) for i in range(0, n, size)]
+
+
+def micro_batch_order(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Row order that puts rows of similar length in the same micro-batch (longest first).
+
+    Each micro-batch runs only as wide as its longest row (:func:`arpo.trainer.logprobs.left_align`), so
+    grouping by length removes most padding compute. Sums over micro-batches depend on the order only
+    through rounding."""
+    return torch.argsort(attention_mask.sum(dim=1), descending=True, stable=True)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def ppo_update(worker: "ActorWorker", batch: DataBatch) -> dict[str, float]:
+    """The body of :meth:`ActorWorker.update_policy` (see there for the batch contract)."""
+    actor = lambda key, default=None: cfg_get(worker.config, f"actor_rollout_ref.actor.{key}", default)  # noqa: E731
+    mini_rows = int(batch.meta.get("mini_batch_rows_per_rank",
+                                   max(1, mini_batch_rows(worker.config) // worker.world_size)))
+    epochs = int(actor("ppo_epochs", 1))
+    on_policy = epochs == 1 and len(batch) <= mini_rows
+    has_old = "old_log_probs" in batch.tensors
+    needed = ["responses", "input_ids", "attention_mask", "position_ids", "response_mask", "advantages"]
+    use_kl = bool(actor("use_kl_loss", False))
+    if use_kl:
+        needed.append("ref_log_prob")
+    missing = [k for k in needed if k not in batch.tensors]
+    if missing:
+        raise ValueError(f"update_policy: batch lacks {missing} (compute ref log-probs and advantages first)")
+    if not has_old and not on_policy:
+        raise ValueError("update_policy: batch lacks old_log_probs, which only an on-policy update (one "
+                         "mini-batch per step, ppo_epochs=1) can do without; compute them first")
+
+    mode = actor("loss_agg_mode", "token-mean")
+    clip = actor("clip_ratio", 0.2)
+    clip_low, clip_high = actor("clip_ratio_low", clip), actor("clip_ratio_high", clip)
+    clip_c = float(actor("clip_ratio_c", 3.0))
+    entropy_coeff = float(actor("entropy_coeff", 0.0))
+    kl_coef, kl_type = float(actor("kl_loss_coef", 0.0)), actor("kl_loss_type", "low_var_kl")
+    micro_size = int(actor("ppo_micro_batch_size_per_gpu", 1))
+    grad_clip = float(actor("grad_clip", 1.0))
+    # Without a separate old-log-prob pass the entropy metric (verl's actor/entropy) comes from here; as a
+    # metric only it is computed without autograd.
+    calc_entropy = entropy_coeff != 0 or not has_old
+    temperature = worker.temperature(batch)
+    lr = float(worker.lr_scheduler.get_last_lr()[0])
+    dev = worker.device
+
+    worker.model.train()
+    sums: dict[str, float] = {k: 0.0 for k in METRIC_KEYS}
+    n_updates = 0
+    for _ in range(epochs):
+        for mb_slice in split_rows(len(batch), mini_rows):
+            mb = batch.index(mb_slice)
+            if worker.settings.fast_layout:  # fp32 sums in the order one process would (device.py)
+                mb = mb.index(micro_batch_order(mb["attention_mask"]))
+            resp_mask = mb["response_mask"].float()
+            if "is_pad" in mb.tensors:
+                resp_mask = resp_mask * (1 - mb["is_pad"].float()).unsqueeze(-1)
+            real_rows = (1 - mb["is_pad"].float()) if "is_pad" in mb.tensors else torch.ones(len(mb))
+            local_seq = (float(real_rows.sum()) if mode == "seq-mean-token-sum"
+                         else float(core_algos.agg_loss_count(resp_mask, mode)) if mode == "seq-mean-token-mean"
+                         else 0.0)
+            g_tokens, g_seqs = worker.all_reduce_sum([float(resp_mask.sum()), local_seq]).tolist()
+            agg = {"global_token_count": g_tokens, "global_seq_count": g_seqs, "dp_size": worker.world_size}
+
+            worker.optimizer.zero_grad(set_to_none=True)
+            # [pg_loss, kl_loss, clipfrac·tok, ppo_kl·tok, clipfrac_lower·tok, entropy·tok]
+            local = torch.zeros(6, dtype=torch.float64)
+            for sl in split_rows(len(mb), micro_size):
+                micro = mb.index(sl)
+                mask = resp_mask[sl].to(dev)
+                n_tok = float(mask.sum())
+                # Only loss positions reach the vocabulary projection: tool results and pad rows carry none.
+                log_prob, entropy = worker.forward(micro, temperature, calc_entropy=calc_entropy,
+                                                   entropy_grad=entropy_coeff != 0, head_mask=mask)
+                old_log_prob = micro["old_log_probs"].to(dev) if has_old else log_prob.detach()
+                pg_loss, clipfrac, ppo_kl, clipfrac_lower = core_algos.compute_policy_loss(
+                    old_log_prob=old_log_prob, log_prob=log_prob,
+                    advantages=micro["advantages"].to(dev), response_mask=mask,
+                    cliprange=clip, cliprange_low=clip_low, cliprange_high=clip_high, clip_ratio_c=clip_c,
+                    loss_agg_mode=mode, **agg)
+                loss = pg_loss
+                if entropy_coeff != 0:
+                    loss = loss - entropy_coeff * core_algos.agg_loss(entropy, mask, mode, **agg)
+                if calc_entropy:
+                    local[5] += float((entropy.detach() * mask).sum())
+                if use_kl:
+                    kl_loss = core_algos.compute_kl_loss(log_prob, micro["ref_log_prob"].to(dev), mask,
+                                                         kl_type, mode, **agg)
+                    loss = loss + kl_coef * kl_loss
+                    local[1] += float(kl_loss.detach())
+                loss.backward()
+                local[0] += float(pg_loss.detach())
+                local[2] += float(clipfrac.detach()) * n_tok
+                local[3] += float(ppo_kl.detach()) * n_tok
+                local[4] += float(clipfrac_lower.detach()) * n_tok
+                del log_prob, entropy, loss  # the graph is gone; let the next micro-batch reuse its memory
+
+            grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(worker.model.parameters(), max_norm=grad_clip))
+            if torch.isfinite(grad_norm):
+                worker.optimizer.step()
+            else:
+                logger.warning("actor: grad_norm is %s; skipping this mini-batch's optimizer step", grad_norm)
+                worker.optimizer.zero_grad(set_to_none=True)
+            tot = worker.all_reduce_sum(local)
+            # Each rank's losses are (local numerator / global count) · world size.
+            sums["actor/pg_loss"] += float(tot[0]) / worker.world_size
+            sums["actor/kl_loss"] += float(tot[1]) / worker.world_size
+            per_tok = max(g_tokens, 1.0)
+            sums["actor/pg_clipfrac"] += float(tot[2]) / per_tok
+            sums["actor/ppo_kl"] += float(tot[3]) / per_tok
+            sums["actor/pg_clipfrac_lower"] += float(tot[4]) / per_tok
+            sums["actor/entropy"] += float(tot[5]) / per_tok
+            sums["actor/grad_norm"] += float(grad_norm)
+            n_updates += 1
+    worker.lr_scheduler.step()
+    metrics = {k: v / max(1, n_updates) for k, v in sums.items()}
+    metrics["actor/lr"] = lr
+    if not calc_entropy:
+        metrics.pop("actor/entropy")  # the trainer logs it from the old-log-prob pass
+    if not use_kl:
+        metrics.pop("actor/kl_loss")
+    return metrics
