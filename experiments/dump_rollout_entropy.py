@@ -1,65 +1,142 @@
-"""Roll out a model with per-token entropy on a parquet split and save the rows for notebooks/arpo_analysis.ipynb.
+"""Roll out a model with per-token entropy on a parquet split and save the rows for arpo/analysis.py (and
+notebooks/arpo_analysis.ipynb): entropy around tool calls, the fork trees.
+
+The rollout is the trainer's (``configs/arpo_trainer.yaml``, ``actor_rollout_ref.rollout.mode=arpo``) with
+``return_entropy`` on; trailing ``key=value`` overrides change it like a training run's (e.g. the branching
+rule of an ablation variant). One JSONL row per trajectory, in batch order (``parent_index`` is a line number).
 
 Example:
     python experiments/dump_rollout_entropy.py --model outputs/tiny_arpo/models/tiny-sft \
-        --data outputs/tiny_arpo/data/synthetic --out outputs/analysis/rollouts.jsonl --limit 64
+        --data outputs/tiny_arpo/data/synthetic --out outputs/analysis/rollouts.jsonl --limit 64 \
+        [actor_rollout_ref.rollout.arpo.rule=paper ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import logging
+import math
 from pathlib import Path
+from typing import Any, Sequence
+
+logger = logging.getLogger("arpo.dump_rollout_entropy")
+
+#: digits kept of each token entropy (enough for plots; keeps committed dumps small)
+ENTROPY_DIGITS = 5
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="HF checkpoint directory")
-    parser.add_argument("--data", required=True, help="folder with test.parquet and corpus.jsonl (synthetic layout)")
-    parser.add_argument("--split", default="test")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--limit", type=int, default=64)
-    parser.add_argument("--n", type=int, default=4, help="budget M per prompt")
-    parser.add_argument("--initial", type=int, default=2, help="initial rollouts N per prompt")
-    parser.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
-    args = parser.parse_args()
+def _clean(value: Any) -> Any:
+    """JSON-safe: NaN/inf become null (json.dumps would write the invalid token NaN), numpy scalars plain."""
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
+
+def rows_of(batch: Any, data_sources: Sequence[str]) -> list[dict[str, Any]]:
+    """One JSON-ready row per trajectory of a rollout batch made with ``return_entropy``."""
+    nt = batch.non_tensors
+    resp_mask = batch.tensors["response_mask"]
+    rows = []
+    for i in range(len(batch)):
+        group = int(nt["group_index"][i])
+        ent = nt["token_entropy"][i]
+        rows.append(_clean({
+            "row": i,
+            "group": group,
+            "parent_index": int(nt["parent_index"][i]),
+            "branch_pos": int(nt["branch_pos"][i]),
+            "rollout_kind": nt["rollout_kind"][i] if "rollout_kind" in nt else None,
+            "finish_reason": nt["finish_reason"][i],
+            "response_length": len(ent),
+            "model_tokens": int(resp_mask[i].sum()),
+            "token_entropy": [round(float(v), ENTROPY_DIGITS) if v == v else None for v in ent],
+            "tool_calls": list(nt["tool_calls"][i]),
+            "data_source": data_sources[group],
+        }))
+    return rows
+
+
+def dump(model: str, data: str, out: str, split: str = "test", limit: int = 64, n: int | None = None,
+         initial: int | None = None, backend: str = "vllm", overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Roll out the first ``limit`` prompts of ``split``, write the rows to ``out``; returns the rollout's
+    metrics. The engine runs in this process and is shut down on the loop it served before returning."""
     import pandas as pd
     from transformers import AutoTokenizer
 
     from arpo.config import load_config
     from arpo.engine.factory import create_engine
-    from arpo.engine.config import EngineConfig
-    from arpo.rollout.arpo_rollout import ARPORollout
+    from arpo.main_arpo import build_rollout
     from tools.registry import load_tools
 
-    data = Path(args.data)
-    df = pd.read_parquet(data / f"{args.split}.parquet").head(args.limit)
-    tok = AutoTokenizer.from_pretrained(args.model)
-    tools = load_tools(load_config("sft", [f"synthetic.out_dir={data}"]).tools)
-    engine = create_engine(EngineConfig(model_path=args.model, name=args.backend, max_model_len=2048))
-    rollout = ARPORollout(engine, tok, {"mode": "arpo", "n": args.n, "initial_rollouts": args.initial,
-                                        "max_response_length": 512, "return_entropy": True}, tools)
+    data_dir = Path(data)
+    df = pd.read_parquet(data_dir / f"{split}.parquet").head(limit)
+    budget = ([f"actor_rollout_ref.rollout.n={n}"] if n else []) + \
+        ([f"actor_rollout_ref.rollout.arpo.initial_rollouts={initial}"] if initial else [])
+    cfg = load_config("arpo_trainer", [
+        f"synthetic.out_dir={data_dir}", f"actor_rollout_ref.model.path={model}",
+        f"actor_rollout_ref.rollout.name={backend}", "actor_rollout_ref.rollout.mode=arpo", *budget, *overrides,
+        "actor_rollout_ref.rollout.arpo.return_entropy=true"])
+    tok = AutoTokenizer.from_pretrained(model)
     prompts = [tok.apply_chat_template(list(p), add_generation_prompt=True, tokenize=True)["input_ids"]
                for p in df.prompt]
-    batch = rollout.generate(prompts)
-    rollout.close()
-    tools.close()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w") as f:
-        for i in range(len(batch)):
-            ent = batch.non_tensors["token_entropy"][i]
-            f.write(json.dumps({
-                "group": int(batch.non_tensors["group_index"][i]),
-                "parent_index": int(batch.non_tensors["parent_index"][i]),
-                "branch_pos": int(batch.non_tensors["branch_pos"][i]),
-                "token_entropy": [None if v != v else float(v) for v in ent],
-                "tool_calls": batch.non_tensors["tool_calls"][i],
-                "data_source": df.iloc[int(batch.non_tensors["group_index"][i])].data_source,
-            }) + "\n")
-    print(json.dumps({"rows": len(batch), "out": str(out), **batch.meta.get("metrics", {})}, default=float))
+    tools = load_tools(cfg.tools)
+    engine = create_engine(cfg, ray_actor=False)
+    rollout = build_rollout(cfg, engine, tok, tools)
+
+    try:
+        # asyncio.run, not rollout.generate's private loop (which it leaves open): on the way out it cancels the
+        # engine's output-handler task on its own loop, so the explicit shutdown below stops vLLM cleanly
+        batch = asyncio.run(rollout.agenerate(prompts))
+    finally:
+        engine.shutdown()
+        rollout.close()
+        tools.close()
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = rows_of(batch, list(df.data_source))
+    with path.open("w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    logger.info("wrote %d rollout rows to %s", len(rows), path)
+    return {"rows": len(rows), "out": str(path), **batch.meta.get("metrics", {})}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="HF checkpoint directory")
+    parser.add_argument("--out", help="output JSONL")
+    parser.add_argument("--jobs", help="JSON list of {model, out, overrides}: several dumps in one process "
+                                      "(vLLM's import is most of a small dump's time)")
+    parser.add_argument("--data", required=True, help="folder with <split>.parquet and corpus.jsonl (synthetic layout)")
+    parser.add_argument("--split", default="test")
+    parser.add_argument("--limit", type=int, default=64, help="prompts rolled out (the split's first)")
+    parser.add_argument("--n", type=int, default=None, help="budget M per prompt (default: the trainer config's)")
+    parser.add_argument("--initial", type=int, default=None, help="initial rollouts N per prompt (default: config)")
+    parser.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
+    parser.add_argument("overrides", nargs="*", help="configs/arpo_trainer.yaml overrides (key=value)")
+    args = parser.parse_args(argv)
+    if bool(args.jobs) == bool(args.model and args.out):
+        parser.error("give either --model and --out, or --jobs")
+    jobs = json.loads(Path(args.jobs).read_text()) if args.jobs else [{"model": args.model, "out": args.out}]
+    from tqdm import tqdm
+
+    from arpo.logging_utils import setup_logging
+
+    setup_logging()
+    for job in tqdm(jobs, desc="dump rollouts", unit="model", disable=len(jobs) < 2):
+        result = dump(job["model"], args.data, job["out"], args.split, args.limit, args.n, args.initial,
+                      args.backend, [*args.overrides, *job.get("overrides", [])])
+        print(json.dumps(_clean(result)), flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    from arpo.config import cli_main
+
+    cli_main(main)

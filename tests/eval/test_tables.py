@@ -120,3 +120,52 @@ def test_gaia_is_also_shown_per_level(tmp_path):
     assert set(values) == {"gaia", "gaia@L1", "gaia@L2", "gaia@L3", "xbench"}
     assert values["gaia@L1"]["num_questions"] == "2" and values["gaia@L1"]["samples_file"].endswith("gaia.jsonl")
     assert not (out / "other.md").exists()
+
+
+# ---- ablation tables of training runs ------------------------------------------------------------------------
+def _training_run(root, variant, seed, val_reward, tokens, wall):
+    run = root / variant / f"seed{seed}"
+    run.mkdir(parents=True)
+    steps = [{"step": 0, "val-core/all/reward/mean": 0.0},
+             {"step": 1, "critic/score/mean": 0.5, "rollout/tool_calls/total": 6.0, "rollout/trajectories": 4.0,
+              "rollout/tokens/generated": tokens, "val-core/all/reward/mean": val_reward}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    (run / "ablation_run.json").write_text(json.dumps({"wall_s": wall}))
+
+
+def test_training_table_mean_std_and_welch_p(tmp_path):
+    from scipy import stats
+
+    from arpo.analysis import seed_summaries
+    from arpo.tables import write_training_tables
+
+    root = tmp_path / "runs"
+    base, arpo = [0.1, 0.2, 0.3], [0.4, 0.6, 0.65]
+    for seed, (b, a) in enumerate(zip(base, arpo)):
+        _training_run(root, "grpo", seed, b, 100.0 * (seed + 1), 60.0)
+        _training_run(root, "arpo", seed, a, 200.0, 70.0 + seed)
+    written = write_training_tables(seed_summaries(root), tmp_path / "out", baseline="grpo", header="Command: x")
+    md = written["table.md"].read_text()
+    assert md.startswith("Command: x\n\n")
+    header = [c.strip() for c in md.splitlines()[2].strip("|").split("|")]
+    rows = {line.split("|")[1].strip(): dict(zip(header, [c.strip() for c in line.strip("|").split("|")]))
+            for line in md.splitlines()[4:] if line.startswith("| ")}
+    grpo, arpo_row = rows["grpo (baseline)"], rows["arpo"]
+    assert grpo["Seeds"] == "3" and grpo["Val reward"] == "0.200 ± 0.100"
+    assert grpo["p (Val reward)"] == "–"  # the baseline is not tested against itself
+    expected_p = stats.ttest_ind(arpo, base, equal_var=False).pvalue
+    assert arpo_row["p (Val reward)"] == f"{expected_p:.3g}"
+    assert grpo["Tool calls / traj"] == "1.50 ± 0.00"
+    assert grpo["Tokens generated"] == "200 ± 100" and arpo_row["Wall (s)"] == "71 ± 1"
+    assert grpo["Val acc (%)"] == "–" and arpo_row["p (Val acc (%))"] == "–"  # not logged: no value, no test
+    values = _csv(written["runs.csv"])
+    assert len(values) == 6 and {r["variant"] for r in values} == {"grpo", "arpo"}
+    assert [float(r["val_reward"]) for r in values if r["variant"] == "arpo"] == arpo and values[0]["val_acc"] == ""
+
+
+def test_training_table_cli(tmp_path, capsys):
+    _training_run(tmp_path / "runs", "grpo", 0, 0.25, 10.0, 5.0)
+    written = tables_main(["--training-runs", str(tmp_path / "runs"), "--out", str(tmp_path / "t")])
+    assert "| grpo | 1 |" in capsys.readouterr().out and written["runs.csv"].exists()
+    with pytest.raises(SystemExit, match="no <variant>/seed<K>/ runs"):
+        tables_main(["--training-runs", str(tmp_path / "empty"), "--out", str(tmp_path / "t")])

@@ -1,0 +1,386 @@
+"""ARPO ablations on the tiny synthetic setup: variants at equal rollout budget, over seeds, resumable.
+
+Usage (repository root; `make run-tiny` builds the data and the tiny SFT model the runs start from):
+
+    python experiments/ablation.py --suite advantage --seeds 0 1 2 \\
+        --model-dir outputs/tiny_arpo/models/tiny-sft --data-dir outputs/tiny_arpo/data/synthetic \\
+        --out experiments/results/advantage [-- key=value ...]
+
+Suites (every variant: same data, steps, seeds and budget M = ``actor_rollout_ref.rollout.n``):
+
+- ``advantage``: ``grpo`` (plain sampling, ``rollout.mode=single``; the baseline) vs ARPO with
+  ``algorithm.advantage_mode`` ``soft`` and ``hard``;
+- ``entropy_weight``: ARPO (rule ``code``) with ``actor_rollout_ref.rollout.arpo.entropy_weight`` 0 (the
+  baseline: forks ignore entropy), 0.2 (the default), 0.4;
+- ``branching_rule``: ARPO with ``actor_rollout_ref.rollout.arpo.rule`` ``code`` (the baseline) vs ``paper``.
+
+Each run is ``python -m arpo.main_arpo <variant keys> actor_rollout_ref.model.path=<model-dir>
+synthetic.out_dir=<data-dir> trainer.seed=K trainer.output_dir=<runs-dir>/<suite>/<variant>/seed<K> [--smoke
+keys] [keys after --]``; the keys after ``--`` come last, so they win. Rerunning the same command skips runs
+that wrote ``summary.json`` and reruns the others, which resume from their last checkpoint
+(``trainer.resume_mode=auto`` under ``<output_dir>/checkpoints``, every ``trainer.save_freq`` steps); Ctrl-C
+stops the runs in flight. ``--jobs N`` runs N at once (their wall times then include each other's load).
+
+Written under ``--out`` (commit it): ``README.md`` (command, git SHA, table, figures, branching), ``table.md``
+(mean ± std over seeds, Welch's t-test p-values against the baseline), ``runs.csv``, ``reward_curves.png``
+(seed bands), ``runs/<variant>/seed<K>/`` (``metrics.jsonl``, ``summary.json``, ``ablation_run.json``), and
+from each variant's final model of the first seed ``rollouts/<variant>.jsonl`` (per-token entropy, fork trees;
+``experiments/dump_rollout_entropy.py``) and ``entropy_around_tools.png``. Run folders with checkpoints stay
+under ``--runs-dir`` (ignored by git). ``notebooks/arpo_analysis.ipynb`` reads ``--out``.
+
+``--smoke`` (CI): 2 steps, the first seed only, 8 validation prompts, 1 FSDP rank, 4 rollout-dump prompts.
+Time on a 2-core CPU: a smoke run ~50 s (~37 s of it start-up), a smoke suite of 3 variants ~4 min (the rollout
+dumps ~1 min of it); a default run (6 steps, 32 validation prompts) ~1.5 min, so a suite of 3 variants x 3 seeds
+~15 min.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Sequence
+
+from tqdm import tqdm
+
+from arpo import analysis
+from arpo.tables import write_training_tables
+
+REPO = Path(__file__).resolve().parents[1]
+logger = logging.getLogger("arpo.ablation")
+
+ARPO = "actor_rollout_ref.rollout.mode=arpo"
+ROLLOUT_KEY = "actor_rollout_ref.rollout.arpo"
+SMOKE_OVERRIDES = ("trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.validation.max_samples=8",
+                   "trainer.n_gpus_per_node=1", "trainer.logger=[console,jsonl]")
+SMOKE_DUMP_PROMPTS = 4
+#: training processes in flight (stopped on Ctrl-C)
+_RUNNING: set[subprocess.Popen] = set()
+#: files of a finished run copied into the results
+RUN_FILES = ("summary.json", analysis.RUN_RECORD)
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    overrides: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    title: str
+    variants: tuple[Variant, ...]
+    baseline: str
+
+
+SUITES = {s.name: s for s in (
+    Suite("advantage", "GRPO with plain sampling vs ARPO with soft and hard advantage", (
+        Variant("grpo", ("actor_rollout_ref.rollout.mode=single", "algorithm.advantage_mode=soft")),
+        Variant("arpo_soft", (ARPO, "algorithm.advantage_mode=soft")),
+        Variant("arpo_hard", (ARPO, "algorithm.advantage_mode=hard")),
+    ), baseline="grpo"),
+    Suite("entropy_weight", "ARPO's entropy weight in the branching rule (rule code; 0: forks ignore entropy)",
+          tuple(Variant(f"ew_{w}", (ARPO, f"{ROLLOUT_KEY}.rule=code", f"{ROLLOUT_KEY}.entropy_weight={w}"))
+                for w in ("0", "0.2", "0.4")), baseline="ew_0"),
+    Suite("branching_rule", "ARPO's branching rule: the released code's vs the paper's", (
+        Variant("rule_code", (ARPO, f"{ROLLOUT_KEY}.rule=code")),
+        Variant("rule_paper", (ARPO, f"{ROLLOUT_KEY}.rule=paper")),
+    ), baseline="rule_code"),
+)}
+
+
+@dataclass(frozen=True)
+class Run:
+    variant: Variant
+    seed: int
+    dir: Path
+    overrides: tuple[str, ...]
+
+    @property
+    def finished(self) -> bool:
+        return (self.dir / "summary.json").is_file()
+
+
+def plan_runs(suite: Suite, seeds: Sequence[int], model_dir: Path, data_dir: Path, runs_dir: Path, smoke: bool,
+              extra: Sequence[str]) -> list[Run]:
+    """Every (variant, seed) run of the suite with its full override list, seed-major so that a partial
+    sweep already has every variant of the first seeds."""
+    runs = []
+    for seed in seeds:
+        for v in suite.variants:
+            out = runs_dir / suite.name / v.name / f"seed{seed}"
+            overrides = (*v.overrides, f"actor_rollout_ref.model.path={model_dir}", f"synthetic.out_dir={data_dir}",
+                         f"trainer.seed={seed}", f"trainer.experiment_name={suite.name}-{v.name}-seed{seed}",
+                         f"trainer.output_dir={out}", *(SMOKE_OVERRIDES if smoke else ()), *extra)
+            runs.append(Run(v, seed, out, overrides))
+    return runs
+
+
+def train(run: Run) -> bool:
+    """Run (or resume) one training run; output goes to ``<run>/ablation.log``; attempts are recorded."""
+    run.dir.mkdir(parents=True, exist_ok=True)
+    record_path = run.dir / analysis.RUN_RECORD
+    record = json.loads(record_path.read_text()) if record_path.is_file() else {"attempts": []}
+    cmd = [sys.executable, "-m", "arpo.main_arpo", *run.overrides]
+    start = time.perf_counter()
+    with (run.dir / "ablation.log").open("a") as log:
+        log.write(f"\n$ {shlex.join(cmd)}\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        _RUNNING.add(proc)
+        try:
+            rc = proc.wait()
+        finally:
+            _RUNNING.discard(proc)
+    wall = time.perf_counter() - start
+    record["attempts"].append({"returncode": rc, "wall_s": round(wall, 1),
+                               "ended": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+    record.update(overrides=list(run.overrides), wall_s=round(sum(a["wall_s"] for a in record["attempts"]), 1))
+    record_path.write_text(json.dumps(record, indent=2))
+    if rc != 0 or not run.finished:
+        tail = (run.dir / "ablation.log").read_text(errors="replace").splitlines()[-15:]
+        logger.error("%s seed %d failed (exit %d); last lines of %s:\n%s", run.variant.name, run.seed, rc,
+                     run.dir / "ablation.log", "\n".join(tail))
+        return False
+    logger.info("%s seed %d finished in %.0f s", run.variant.name, run.seed, wall)
+    return True
+
+
+def stop_running(grace_s: float = 60.0) -> None:
+    """Stop the training runs in flight with SIGTERM: Ctrl-C reaches them too, but not one whose SIGINT is
+    ignored (started from a background job or nohup). A run stopped this way resumes from its last checkpoint."""
+    procs = list(_RUNNING)
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def dump_rollouts(runs: list[Run], out: Path, data_dir: Path, prompts: int, extra: Sequence[str],
+                  log: Path) -> None:
+    """Per-token-entropy rollouts of the final model of each variant's first finished seed, all in one
+    process (missing dumps only)."""
+    jobs, first = [], {}
+    for run in runs:
+        if run.finished and run.variant.name not in first:
+            first[run.variant.name] = run
+    for name, run in first.items():
+        path = out / "rollouts" / f"{name}.jsonl"
+        if not path.is_file():
+            # the trained model, whatever model path the extra keys gave the runs
+            keys = [k for k in (*run.variant.overrides, *extra) if not k.startswith("actor_rollout_ref.model.path=")]
+            jobs.append({"model": str(run.dir / "hf_model"), "out": str(path), "overrides": keys})
+    if not jobs or prompts <= 0:
+        return
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(jobs, f)
+    cmd = [sys.executable, str(REPO / "experiments" / "dump_rollout_entropy.py"), "--jobs", f.name,
+           "--data", str(data_dir), "--limit", str(prompts)]
+    logger.info("dumping rollouts with per-token entropy of %s", ", ".join(first))
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as fh:
+        rc = subprocess.run(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT).returncode
+    os.unlink(f.name)
+    if rc != 0:
+        logger.error("rollout dump failed (exit %d), see %s; the results go without entropy figures", rc, log)
+
+
+def git_sha() -> str:
+    """HEAD, with ``-dirty`` when tracked files differ from it (untracked results do not count)."""
+    def git(*args: str) -> str:
+        r = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else ""
+
+    sha = git("rev-parse", "HEAD") or "unknown"
+    return sha + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def collect(suite: Suite, runs: list[Run], out: Path, header: str, smoke: bool, dump_prompts: int) -> None:
+    """Copy the finished runs' metrics into ``out`` and write the table, figures and README."""
+    for run in runs:
+        if run.finished:
+            dest = out / "runs" / run.variant.name / f"seed{run.seed}"
+            dest.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(analysis.metrics_path(run.dir), dest / "metrics.jsonl")
+            for name in RUN_FILES:
+                shutil.copyfile(run.dir / name, dest / name)
+    names = [v.name for v in suite.variants]
+    all_summaries = analysis.seed_summaries(out / "runs")
+    summaries = {n: all_summaries[n] for n in names if n in all_summaries}
+    note = ("Val acc / reward: final greedy validation `val-core/all/acc/mean` / `val-core/all/reward/mean` "
+            "(\"–\": not logged); train score: `critic/score/mean` at the last step; tool calls / traj: over all "
+            "training steps; tokens generated: `rollout/tokens/generated` summed over steps; wall: every attempt of "
+            "the run, start-up and validation included (with --jobs > 1, under each other's load). Mean ± std "
+            f"over seeds (ddof 1); p: Welch's t-test against `{suite.baseline}` over seeds (\"–\": < 2 seeds).")
+    write_training_tables(summaries, out, suite.baseline, header=header, note=note)
+    figures = [_save(_curves(out, names), out / "reward_curves.png", header)]
+    dumps = {n: out / "rollouts" / f"{n}.jsonl" for n in names if (out / "rollouts" / f"{n}.jsonl").is_file()}
+    branching = ""
+    if dumps:
+        rows = {n: analysis.load_rows(p) for n, p in dumps.items()}
+        figures.append(_save(_entropy(rows), out / "entropy_around_tools.png", header))
+        branching = _branching_section(rows, dump_prompts)
+    variants = "\n".join(f"- `{v.name}`{' (baseline)' if v.name == suite.baseline else ''}: "
+                         f"`{' '.join(v.overrides)}`" for v in suite.variants)
+    readme = [f"# Ablation `{suite.name}`: {suite.title}", "", header, "",
+              "**Smoke run (2 steps, one seed): checks the pipeline, not a result.**\n" if smoke else "",
+              "Variants (same data, steps, seeds and budget M = `actor_rollout_ref.rollout.n`):", "", variants, "",
+              "## Results", "", (out / "table.md").read_text().split("\n\n", 1)[-1], "",
+              *[f"![{p.stem}]({p.name})\n" for p in figures], branching,
+              "Per-run metrics: `runs/<variant>/seed<K>/metrics.jsonl`; every number of the table: `runs.csv`. "
+              f"Regenerate the table: `python -m arpo.tables --training-runs {_shown(out)}/runs --out {_shown(out)} "
+              f"--baseline {suite.baseline}`; explore: `notebooks/arpo_analysis.ipynb`.", ""]
+    (out / "README.md").write_text("\n".join(readme))
+
+
+def _curves(out: Path, names: list[str]):
+    runs = analysis.load_runs(out / "runs", names)
+    metrics = [analysis.TRAIN_SCORE, analysis.VAL_REWARD, analysis.TOOL_CALLS_PER_TRAJ]
+    axes = analysis.new_axes(ncols=len(metrics), figsize=(5 * len(metrics), 3.5))
+    for ax, metric in zip(axes, metrics):
+        analysis.plot_curves(runs, metric, ax=ax)
+    return axes[0].figure
+
+
+def _entropy(rows: dict[str, list[dict]]):
+    axes = analysis.new_axes(ncols=len(rows), figsize=(5 * len(rows), 3.5), sharey=True)
+    for a, (name, variant_rows) in zip(axes, rows.items()):
+        analysis.plot_entropy_around_tools(analysis.entropy_around_tool_calls(variant_rows), ax=a, title=name)
+    return axes[0].figure
+
+
+def _branching_section(rows: dict[str, list[dict]], prompts: int) -> str:
+    lines = [f"## Branching (rollouts of each variant's final model, first seed, first {prompts} test prompts)",
+             "", "| Variant | trajectories / group | forks / group | mean depth | max depth | mean branch pos |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name, variant_rows in rows.items():
+        s = analysis.branch_summary(variant_rows)
+        pos = "–" if math.isnan(s["branch_pos_mean"]) else f"{s['branch_pos_mean']:.0f}"
+        lines.append(f"| {name} | {s['trajectories_per_group']:.1f} | {s['forks_per_group']:.2f} | "
+                     f"{s['mean_depth']:.2f} | {s['max_depth']:.0f} | {pos} |")
+    return "\n".join(lines + [""])
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository when inside it (the README is committed; absolute paths are not)."""
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+def _save(fig, path: Path, header: str) -> Path:
+    fig.savefig(path, dpi=100, metadata={"Description": header})
+    return path
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Options before ``--``; ``key=value`` overrides for every run after it."""
+    argv = list(argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Keys after -- go to every run (python -m arpo.main_arpo).")
+    parser.add_argument("--suite", required=True, choices=sorted(SUITES))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--model-dir", type=Path, default=REPO / "outputs/tiny_arpo/models/tiny-sft",
+                        help="HF checkpoint the runs start from (the cold-start SFT model)")
+    parser.add_argument("--data-dir", type=Path, default=REPO / "outputs/tiny_arpo/data/synthetic",
+                        help="synthetic data folder (train/val/test parquet + corpus.jsonl)")
+    parser.add_argument("--out", type=Path, help="results folder (default experiments/results/<suite>)")
+    parser.add_argument("--runs-dir", type=Path, default=REPO / "outputs/ablation",
+                        help="where run folders with checkpoints go (not committed)")
+    parser.add_argument("--dump-prompts", type=int, default=None,
+                        help=f"test prompts rolled out with entropy per variant (default 16, --smoke "
+                             f"{SMOKE_DUMP_PROMPTS}; 0: none)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once (each takes trainer.n_gpus_per_node "
+                                                            "ranks + an engine; on a GPU node, one per GPU set)")
+    parser.add_argument("--smoke", action="store_true", help="CI: 2 steps, first seed, tiny validation")
+    args = parser.parse_args(own)
+    bad = [k for k in extra if "=" not in k]
+    if bad:
+        parser.error(f"after -- give key=value overrides, got {bad}")
+    if args.smoke:
+        args.seeds = args.seeds[:1]
+    if args.dump_prompts is None:
+        args.dump_prompts = SMOKE_DUMP_PROMPTS if args.smoke else 16
+    args.out = (args.out or REPO / "experiments" / "results" / args.suite).resolve()
+    for key in ("model_dir", "data_dir", "runs_dir"):
+        setattr(args, key, getattr(args, key).resolve())
+    return args, extra
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, extra = parse_args(argv)
+    from arpo.logging_utils import setup_logging
+
+    setup_logging(args.runs_dir / args.suite / "logs", filename="ablation.log")
+    for path, what in ((args.model_dir, "--model-dir"), (args.data_dir, "--data-dir")):
+        if not path.is_dir():
+            raise SystemExit(f"{what} {path}: no such directory (`make run-tiny` builds the tiny SFT model and data)")
+    suite = SUITES[args.suite]
+    header = (f"Command: `python experiments/ablation.py {shlex.join(argv)}` — git SHA: `{git_sha()}` — "
+              f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}")
+    runs = plan_runs(suite, args.seeds, args.model_dir, args.data_dir, args.runs_dir, args.smoke, extra)
+    for run in runs:
+        if run.finished:
+            _warn_if_changed(run)
+            logger.info("%s seed %d: finished earlier, skipped", run.variant.name, run.seed)
+    pending = [r for r in runs if not r.finished]
+    failed = []
+    # Runs are independent processes (each with its own Ray cluster); on a small machine most of a short run is
+    # start-up latency, so a few at once overlap it.
+    pool = ThreadPoolExecutor(max_workers=args.jobs)
+    try:
+        with tqdm(total=len(runs), initial=len(runs) - len(pending), desc=f"ablation {suite.name}",
+                  unit="run") as bar:
+            futures = {pool.submit(train, run): run for run in pending}
+            for future in as_completed(futures):
+                if not future.result():
+                    failed.append(futures[future])
+                bar.update(1)
+    except KeyboardInterrupt:
+        pool.shutdown(wait=False, cancel_futures=True)
+        stop_running()
+        logger.error("interrupted; rerun the same command: finished runs are skipped, the others resume")
+        return 130
+    pool.shutdown()
+    args.out.mkdir(parents=True, exist_ok=True)
+    dump_rollouts(runs, args.out, args.data_dir, args.dump_prompts, extra,
+                  args.runs_dir / args.suite / "logs" / "dump_rollouts.log")
+    if any(r.finished for r in runs):
+        collect(suite, runs, args.out, header, args.smoke, args.dump_prompts)
+        logger.info("results: %s", args.out / "README.md")
+    if failed:
+        logger.error("%d run(s) failed: %s; rerun the same command to resume them", len(failed),
+                     ", ".join(f"{r.variant.name}/seed{r.seed}" for r in failed))
+        return 1
+    return 0
+
+
+def _warn_if_changed(run: Run) -> None:
+    record = run.dir / analysis.RUN_RECORD
+    before = json.loads(record.read_text()).get("overrides") if record.is_file() else None
+    if before is not None and before != list(run.overrides):
+        logger.warning("%s finished with other overrides than now (%s); delete it to rerun with the new ones",
+                       run.dir, sorted(set(before) ^ set(run.overrides)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

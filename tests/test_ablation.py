@@ -1,0 +1,131 @@
+"""experiments/ablation.py: how each suite's runs are built (fast: composed against the real configs), and the
+`advantage` suite end to end in smoke mode (slow: real training runs, rollout dumps, results, rerun skips)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from arpo.config import REPO_ROOT, load_config
+from experiments import ablation
+
+#: the smoke ablation's results, shared with tests/test_notebook.py (each module gets its own fixture, one run)
+_SMOKE: dict[str, Path] = {}
+
+
+def run_smoke_ablation(sft_model_dir: Path, root: Path) -> dict[str, Path]:
+    """Run the advantage suite in smoke mode once per session; returns its results and runs folders."""
+    if not _SMOKE:
+        out, runs = root / "results" / "advantage", root / "runs"
+        start = time.perf_counter()
+        r = _ablation(sft_model_dir, out, runs)
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+        _SMOKE.update(out=out, runs=runs, seconds=time.perf_counter() - start)
+    return _SMOKE
+
+
+def _ablation(sft_model_dir: Path, out: Path, runs: Path, *extra: str) -> subprocess.CompletedProcess:
+    data = sft_model_dir.parents[1] / "data" / "synthetic"
+    # --jobs 3: the three variants' start-ups overlap (most of a 2-step run), ~20% off the test's time
+    cmd = [sys.executable, str(REPO_ROOT / "experiments" / "ablation.py"), "--suite", "advantage", "--smoke",
+           "--jobs", "3", "--seeds", "3", "4", "--model-dir", str(sft_model_dir), "--data-dir", str(data),
+           "--out", str(out), "--runs-dir", str(runs), *extra]
+    return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "TQDM_DISABLE": "1"})
+
+
+@pytest.fixture(scope="session")
+def smoke_ablation(sft_model_dir, tmp_path_factory) -> dict[str, Path]:
+    return run_smoke_ablation(sft_model_dir, tmp_path_factory.mktemp("ablation"))
+
+
+# ---- argument building (fast) ------------------------------------------------------------------------------
+def test_seeds_and_overrides_are_separated_by_double_dash():
+    # the shell script this replaced passed the seeds to every run as overrides too
+    args, extra = ablation.parse_args(["--suite", "advantage", "--seeds", "0", "5", "--",
+                                       "trainer.total_training_steps=3", "actor_rollout_ref.rollout.n=8"])
+    assert args.seeds == [0, 5] and extra == ["trainer.total_training_steps=3", "actor_rollout_ref.rollout.n=8"]
+    assert args.out == REPO_ROOT / "experiments" / "results" / "advantage" and args.dump_prompts == 16
+    smoke, _ = ablation.parse_args(["--suite", "advantage", "--seeds", "2", "3", "--smoke"])
+    assert smoke.seeds == [2] and smoke.dump_prompts == ablation.SMOKE_DUMP_PROMPTS
+    with pytest.raises(SystemExit):
+        ablation.parse_args(["--suite", "advantage", "--", "not-an-override"])
+
+
+@pytest.mark.parametrize("suite, expect", [
+    ("advantage", {"grpo": ("single", "soft", 0.2, "code"), "arpo_soft": ("arpo", "soft", 0.2, "code"),
+                   "arpo_hard": ("arpo", "hard", 0.2, "code")}),
+    ("entropy_weight", {"ew_0": ("arpo", "soft", 0.0, "code"), "ew_0.2": ("arpo", "soft", 0.2, "code"),
+                        "ew_0.4": ("arpo", "soft", 0.4, "code")}),
+    ("branching_rule", {"rule_code": ("arpo", "soft", 0.2, "code"), "rule_paper": ("arpo", "soft", 0.2, "paper")}),
+])
+def test_every_variant_composes_to_the_intended_config(suite, expect, tmp_path):
+    s = ablation.SUITES[suite]
+    assert s.baseline in expect
+    runs = ablation.plan_runs(s, [0, 7], tmp_path / "model", tmp_path / "data", tmp_path / "runs", smoke=False,
+                              extra=["actor_rollout_ref.rollout.n=6"])
+    assert [(r.variant.name, r.seed) for r in runs] == [(v, seed) for seed in (0, 7) for v in expect]
+    budgets = set()
+    for run in runs:
+        cfg = load_config("arpo_trainer", list(run.overrides))  # unknown keys would fail here
+        r = cfg.actor_rollout_ref.rollout
+        assert (r.mode, cfg.algorithm.advantage_mode, r.arpo.entropy_weight, r.arpo.rule) == expect[run.variant.name]
+        assert cfg.trainer.seed == run.seed
+        assert Path(cfg.trainer.output_dir) == tmp_path / "runs" / suite / run.variant.name / f"seed{run.seed}"
+        assert cfg.trainer.default_local_dir == f"{cfg.trainer.output_dir}/checkpoints"  # resumes from there
+        assert cfg.synthetic.out_dir == str(tmp_path / "data")
+        budgets.add((r.n, r.arpo.n, cfg.data.train_batch_size, cfg.trainer.total_training_steps))
+    assert budgets == {(6, 6, 4, 6)}  # equal budget M (the override after -- wins), data and steps
+
+
+def test_smoke_overrides_shrink_the_run(tmp_path):
+    (run,) = ablation.plan_runs(ablation.SUITES["branching_rule"], [0], tmp_path, tmp_path, tmp_path, smoke=True,
+                                extra=["trainer.validation.max_samples=4"])[:1]
+    cfg = load_config("arpo_trainer", list(run.overrides))
+    assert cfg.trainer.total_training_steps == 2 and cfg.trainer.n_gpus_per_node == 1
+    assert cfg.trainer.validation.max_samples == 4  # the caller's override comes after the smoke ones
+
+
+# ---- the advantage suite end to end (slow) -------------------------------------------------------------------
+@pytest.mark.slow
+def test_smoke_advantage_suite_writes_results_and_skips_finished_runs(smoke_ablation, sft_model_dir):
+    out, runs = smoke_ablation["out"], smoke_ablation["runs"]
+    variants = ["grpo", "arpo_soft", "arpo_hard"]
+    readme = (out / "README.md").read_text()
+    table = (out / "table.md").read_text()
+    for text in (readme, table):
+        assert "python experiments/ablation.py --suite advantage --smoke --jobs 3 --seeds 3 4" in text
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True).stdout
+        assert f"git SHA: `{sha.strip()}" in text
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| Variant")]
+    assert [r.split("|")[1].strip() for r in rows] == ["grpo (baseline)", "arpo_soft", "arpo_hard"]
+    for variant in variants:  # smoke: only the first seed given
+        run = out / "runs" / variant / "seed3"
+        steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert steps == [0, 1, 2]
+        assert json.loads((run / "summary.json").read_text())["final_validation"]
+        assert not (out / "runs" / variant / "seed4").exists() and not (runs / "advantage" / variant / "seed4").exists()
+        assert (runs / "advantage" / variant / "seed3" / "checkpoints").is_dir()  # checkpoints stay out of --out
+        dump = [json.loads(line) for line in (out / "rollouts" / f"{variant}.jsonl").read_text().splitlines()]
+        assert len(dump) == ablation.SMOKE_DUMP_PROMPTS * 4 and all("token_entropy" in r for r in dump)
+    for png in ("reward_curves.png", "entropy_around_tools.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({png})" in readme
+    assert "forks / group" in readme
+
+    # a second invocation finds every run finished: nothing is trained or dumped again
+    records = {v: (runs / "advantage" / v / "seed3" / "ablation_run.json").read_text() for v in variants}
+    dumps = {v: (out / "rollouts" / f"{v}.jsonl").stat().st_mtime_ns for v in variants}
+    start = time.perf_counter()
+    again = _ablation(sft_model_dir, out, runs)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert time.perf_counter() - start < 0.25 * smoke_ablation["seconds"]
+    assert again.stderr.count("finished earlier, skipped") == 3
+    assert {v: (runs / "advantage" / v / "seed3" / "ablation_run.json").read_text() for v in variants} == records
+    assert {v: (out / "rollouts" / f"{v}.jsonl").stat().st_mtime_ns for v in variants} == dumps
+    assert (out / "table.md").read_text().split("\n\n", 1)[1] == table.split("\n\n", 1)[1]

@@ -1,0 +1,65 @@
+"""notebooks/arpo_analysis.ipynb runs top to bottom in the project's kernel: against the smoke ablation's results
+(slow: made by tests/test_ablation.py's fixture, once per session) it draws every figure; against a missing
+folder it says so and skips its cells without an error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from arpo.config import REPO_ROOT
+from tests.test_ablation import smoke_ablation  # noqa: F401  (the shared session fixture)
+
+NOTEBOOK = REPO_ROOT / "notebooks" / "arpo_analysis.ipynb"
+
+
+def _execute(run_dir: Path, monkeypatch) -> nbformat.NotebookNode:
+    """Run a fresh copy of the notebook (the stored outputs are ignored) with its run-dir cell pointed at
+    ``run_dir``; a cell error raises CellExecutionError."""
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = []
+    monkeypatch.setenv("ARPO_ANALYSIS_RUN_DIR", str(run_dir))
+    NotebookClient(nb, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    return nb
+
+
+def _outputs(nb: nbformat.NotebookNode) -> list[list[dict]]:
+    return [cell.outputs for cell in nb.cells if cell.cell_type == "code"]
+
+
+def _images(outputs: list[dict]) -> int:
+    return sum("image/png" in o.get("data", {}) for o in outputs)
+
+
+def _text(outputs: list[dict]) -> str:
+    return "".join(o.get("text", "") for o in outputs)
+
+
+@pytest.mark.slow
+def test_notebook_draws_every_figure_from_the_smoke_ablation(smoke_ablation, monkeypatch):  # noqa: F811
+    nb = _execute(smoke_ablation["out"], monkeypatch)
+    cells = _outputs(nb)
+    assert not any(o.output_type == "error" for outputs in cells for o in outputs)
+    setup, curves, table, entropy, branching, soft_hard = cells[1:]
+    assert "variants ['arpo_hard', 'arpo_soft', 'grpo'], seeds [3]" in _text(setup)
+    assert _images(curves) == 1
+    assert any("Val reward" in o.get("data", {}).get("text/markdown", "") for o in table)
+    assert _images(entropy) == 1 and any("text/html" in o.get("data", {}) for o in entropy)  # curve + table
+    assert _images(branching) == 1
+    assert _images(soft_hard) == 2  # curves, entropy overlay
+    assert any("welch_p" in o.get("data", {}).get("text/html", "") for o in soft_hard)
+
+
+def test_notebook_without_runs_says_what_to_do(tmp_path, monkeypatch):
+    nb = _execute(tmp_path / "absent", monkeypatch)
+    cells = _outputs(nb)
+    text = "".join(_text(outputs) for outputs in cells)
+    assert "No training metrics" in text and "experiments/ablation.py" in text
+    assert not any(o.output_type == "error" for outputs in cells for o in outputs)
+    assert sum(_images(outputs) for outputs in cells) == 0
