@@ -11,17 +11,31 @@ import os
 from pathlib import Path
 
 _FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
+#: Engines whose INFO lines (model loading, KV cache sizes, per-request chatter) go to the log file only.
+ENGINE_LOGGERS = ("vllm", "ray", "torch.distributed")
+
+
+class _ConsoleFilter(logging.Filter):
+    """Keep engine INFO/DEBUG off the console: the file has them; warnings and errors still show."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not record.name.startswith(ENGINE_LOGGERS)
+
 
 
 def setup_logging(log_dir: str | Path | None = None, level: str | int | None = None,
                   filename: str = "arpo.log") -> logging.Logger:
     """Configure the root logger once per process (idempotent). Returns the ``arpo`` logger."""
     level = level or os.environ.get("ARPO_LOG_LEVEL", "INFO")
+    # vLLM otherwise installs its own stdout handler at import, which mixes its chatter into a script's output
+    # (and into JSON printed on stdout); with this its records reach the handlers below. Inherited by workers.
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     root = logging.getLogger()
     root.setLevel(level)
     if not any(getattr(h, "_arpo", False) and isinstance(h, logging.StreamHandler) for h in root.handlers):
         console = logging.StreamHandler()
         console.setFormatter(logging.Formatter(_FORMAT))
+        console.addFilter(_ConsoleFilter())
         console._arpo = True  # type: ignore[attr-defined]
         root.addHandler(console)
     if log_dir is not None:

@@ -289,13 +289,18 @@ def shared_prompt_prefix(examples: Sequence[tuple[list[int], list[int]]]) -> int
 
 def train_sft(model, examples: list | DemonstrationStream, *, epochs: int, batch_size: int, lr: float,
               warmup_ratio: float, weight_decay: float, grad_clip: float, seed: int, max_minutes: float, pad_id: int,
-              max_steps: int = 0, share_prompt_prefix: bool = True, num_examples: int | None = None) -> dict[str, Any]:
+              max_steps: int = 0, share_prompt_prefix: bool = True, num_examples: int | None = None,
+              dtype: str = "float32") -> dict[str, Any]:
     """Full fine-tune with AdamW + warm-up/cosine schedule over ``min(epochs, max_steps)``; a safety stop at
     ``max_minutes``. Returns summary stats.
 
     ``examples``: a list, or a :class:`DemonstrationStream` whose first epoch trains on the demonstrations as they
     arrive (``num_examples``, the rows it will yield at most, plans the schedule); later epochs shuffle them all.
-    The common prompt prefix is run once per batch (``share_prompt_prefix``)."""
+    The common prompt prefix is run once per batch (``share_prompt_prefix``). ``dtype`` bfloat16: CPU autocast
+    with fp32 master weights (as the RL trainer, :mod:`arpo.trainer.device`)."""
+    from arpo.trainer.device import device_settings
+
+    compute = device_settings("cpu", dtype)
     streaming = isinstance(examples, DemonstrationStream)
     n_examples = (num_examples or 0) if streaming else len(examples)
     rng = np.random.default_rng(seed)
@@ -323,7 +328,8 @@ def train_sft(model, examples: list | DemonstrationStream, *, epochs: int, batch
                                share_prompt_prefix)
         epoch_steps = 0
         for input_ids, attn, labels, prefix in batches:
-            loss = masked_lm_loss(model, input_ids, attn, labels, prefix)
+            with compute.autocast_context():
+                loss = masked_lm_loss(model, input_ids, attn, labels, prefix)
             optim.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -364,11 +370,13 @@ def run_sft(cfg) -> Path:
     """Build demonstrations, train, save an HF checkpoint to ``sft.out_dir``; return its path."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from arpo.config import require_path
+    from arpo.config import ConfigError, require_path
     from arpo.seeding import seed_everything
     from tools.registry import load_tools
 
     s = cfg.sft
+    if s.dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"sft.dtype={s.dtype!r} is not valid; choose float32 or bfloat16")
     seed_everything(s.seed)
     model_path = require_path(cfg.actor_rollout_ref.model.path, "actor_rollout_ref.model.path",
                               "build the tiny model with `python -m arpo.models.tiny` or point it at an HF checkpoint",
@@ -394,7 +402,8 @@ def run_sft(cfg) -> Path:
         summary = train_sft(model, examples, epochs=s.epochs, batch_size=s.batch_size, lr=s.lr,
                             warmup_ratio=s.warmup_ratio, weight_decay=s.weight_decay, grad_clip=s.grad_clip,
                             seed=s.seed, max_minutes=s.max_minutes, pad_id=tokenizer.pad_token_id,
-                            max_steps=s.max_steps, share_prompt_prefix=s.share_prompt_prefix, num_examples=len(df))
+                            max_steps=s.max_steps, share_prompt_prefix=s.share_prompt_prefix, num_examples=len(df),
+                            dtype=s.dtype)
     finally:
         demos.close()
         for tool in tools.values():

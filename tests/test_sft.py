@@ -227,3 +227,25 @@ def test_stream_stops_pulling_demonstrations_when_max_steps_is_reached():
                         max_steps=3, num_examples=1000)
     assert summary["steps"] == 3
     assert len(pulled) <= 2 * 16  # one window of 16 batches, not the whole stream
+
+
+def test_bfloat16_sft_keeps_fp32_weights_and_follows_the_fp32_run():
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from arpo.sft import train_sft
+
+    def run(dtype: str):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+        examples = [([1, 2, 3] + [10 + (i + j) % 20 for j in range(8)], [0, 0, 0] + [1] * 8) for i in range(32)]
+        summary = train_sft(model, examples, epochs=8, batch_size=4, lr=3e-3, warmup_ratio=0.1, weight_decay=0.0,
+                            grad_clip=1.0, seed=0, max_minutes=5, pad_id=0, dtype=dtype)
+        return model, summary
+
+    fp32_model, fp32 = run("float32")
+    bf16_model, bf16 = run("bfloat16")
+    assert all(p.dtype == torch.float32 for p in bf16_model.parameters())  # master weights stay fp32
+    assert bf16["final_loss"] < 1.0  # it learned the sequences (log 64 = 4.2 at the start)
+    assert abs(bf16["final_loss"] - fp32["final_loss"]) < 0.25

@@ -1,0 +1,34 @@
+"""The one logging setup: engine chatter goes to the run's log file, not the console."""
+
+import logging
+
+from arpo.logging_utils import setup_logging
+
+
+def test_engine_info_reaches_the_file_but_not_the_console(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
+    root = logging.getLogger()
+    before = list(root.handlers)
+    for h in before:  # a fresh setup, whatever earlier tests installed (its console binds to capsys's stderr)
+        root.removeHandler(h)
+    try:
+        setup_logging(tmp_path, filename="run.log")
+        import os
+
+        assert os.environ["VLLM_CONFIGURE_LOGGING"] == "0"  # vLLM then propagates instead of printing to stdout
+        logging.getLogger("vllm.engine").info("KV cache 4 GiB")
+        logging.getLogger("vllm.engine").warning("engine slow")
+        logging.getLogger("arpo.trainer").info("step 1")
+        for h in root.handlers:
+            h.flush()
+        console = capsys.readouterr().err
+        logged = (tmp_path / "run.log").read_text()
+        assert "KV cache 4 GiB" in logged and "KV cache 4 GiB" not in console
+        assert "engine slow" in logged and "engine slow" in console
+        assert "step 1" in logged and "step 1" in console
+    finally:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+            h.close()
+        for h in before:
+            root.addHandler(h)
