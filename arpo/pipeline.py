@@ -81,7 +81,7 @@ def stage_paths(root: Path, preset: Preset) -> dict[str, Path]:
             "sft_model": root / "models" / f"{preset.model_name}-sft", "rl": root / "rl"}
 
 
-def _for_stage(stage: str, overrides: list[str]) -> list[str]:
+def overrides_for_stage(stage: str, overrides: list[str]) -> list[str]:
     """The overrides whose top-level key belongs to ``stage``'s config."""
     return [o for o in overrides if o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] in STAGE_KEYS[stage]]
 
@@ -109,7 +109,7 @@ class Pipeline:
                "arpo_trainer": [f"actor_rollout_ref.model.path={p['sft_model']}", f"trainer.output_dir={p['rl']}"]}
         data = [f"synthetic.out_dir={p['data']}"] if stage != "base_model" else []
         source = [f"base_model.source={self.preset.base_model}"] if stage == "base_model" else []
-        rest = [o for o in _for_stage(stage, self.overrides) if not o.startswith("base_model.source=")]
+        rest = [o for o in overrides_for_stage(stage, self.overrides) if not o.startswith("base_model.source=")]
         return load_config(stage, data + source + own[stage] + rest)
 
     @property

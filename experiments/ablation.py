@@ -1,10 +1,12 @@
 """ARPO ablations on the tiny synthetic setup: variants at equal rollout budget, over seeds, resumable.
 
-Usage (repository root; `make run-tiny` builds the data and the tiny SFT model the runs start from):
+Usage (repository root; `make run-tiny` / `make run` build the data and the SFT model the runs start from):
 
-    python experiments/ablation.py --suite advantage --seeds 0 1 2 \\
-        --model-dir outputs/tiny_arpo/models/tiny-sft --data-dir outputs/tiny_arpo/data/synthetic \\
-        --out experiments/results/advantage [-- key=value ...]
+    python experiments/ablation.py --suite advantage --seeds 0 1 2 [--preset tiny|smollm2] \\
+        [--model-dir DIR --data-dir DIR] --out experiments/results/advantage [-- key=value ...]
+
+``--preset`` (default ``tiny``) gives each run the preset's RL overrides (``configs/pipeline/<name>.yaml``) and
+defaults ``--model-dir``/``--data-dir`` to the preset's SFT model and data under its output folder.
 
 Suites (every variant: same data, steps, seeds and budget M = ``actor_rollout_ref.rollout.n``):
 
@@ -56,6 +58,8 @@ from typing import Sequence
 from tqdm import tqdm
 
 from arpo import analysis
+from arpo.config import ConfigError
+from arpo.pipeline import Preset, overrides_for_stage, stage_paths
 from arpo.tables import write_training_tables
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,14 +119,15 @@ class Run:
 
 
 def plan_runs(suite: Suite, seeds: Sequence[int], model_dir: Path, data_dir: Path, runs_dir: Path, smoke: bool,
-              extra: Sequence[str]) -> list[Run]:
+              extra: Sequence[str], preset: Sequence[str] = ()) -> list[Run]:
     """Every (variant, seed) run of the suite with its full override list, seed-major so that a partial
-    sweep already has every variant of the first seeds."""
+    sweep already has every variant of the first seeds. Order: the preset's RL sizing, the variant, the run's
+    own keys, smoke, then ``extra`` (later keys win)."""
     runs = []
     for seed in seeds:
         for v in suite.variants:
             out = runs_dir / suite.name / v.name / f"seed{seed}"
-            overrides = (*v.overrides, f"actor_rollout_ref.model.path={model_dir}", f"synthetic.out_dir={data_dir}",
+            overrides = (*preset, *v.overrides, f"actor_rollout_ref.model.path={model_dir}", f"synthetic.out_dir={data_dir}",
                          f"trainer.seed={seed}", f"trainer.experiment_name={suite.name}-{v.name}-seed{seed}",
                          f"trainer.output_dir={out}", *(SMOKE_OVERRIDES if smoke else ()), *extra)
             runs.append(Run(v, seed, out, overrides))
@@ -298,10 +303,13 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                                      epilog="Keys after -- go to every run (python -m arpo.main_arpo).")
     parser.add_argument("--suite", required=True, choices=sorted(SUITES))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--model-dir", type=Path, default=REPO / "outputs/tiny_arpo/models/tiny-sft",
-                        help="HF checkpoint the runs start from (the cold-start SFT model)")
-    parser.add_argument("--data-dir", type=Path, default=REPO / "outputs/tiny_arpo/data/synthetic",
-                        help="synthetic data folder (train/val/test parquet + corpus.jsonl)")
+    parser.add_argument("--preset", default="tiny",
+                        help="pipeline preset (configs/pipeline/<name>.yaml) whose RL overrides every run starts "
+                             "from and whose output folder holds the default model and data: tiny | smollm2")
+    parser.add_argument("--model-dir", type=Path,
+                        help="HF checkpoint the runs start from (default: the preset's cold-start SFT model)")
+    parser.add_argument("--data-dir", type=Path,
+                        help="synthetic data folder (default: the preset's train/val/test parquet + corpus.jsonl)")
     parser.add_argument("--out", type=Path, help="results folder (default experiments/results/<suite>)")
     parser.add_argument("--runs-dir", type=Path, default=REPO / "outputs/ablation",
                         help="where run folders with checkpoints go (not committed)")
@@ -320,6 +328,14 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     if args.dump_prompts is None:
         args.dump_prompts = SMOKE_DUMP_PROMPTS if args.smoke else 16
     args.out = (args.out or REPO / "experiments" / "results" / args.suite).resolve()
+    try:
+        preset = Preset.load(args.preset)
+    except ConfigError as e:
+        parser.error(str(e))
+    paths = stage_paths(REPO / preset.output_dir, preset)
+    args.model_dir = args.model_dir or paths["sft_model"]
+    args.data_dir = args.data_dir or paths["data"]
+    args.preset_overrides = overrides_for_stage("arpo_trainer", list(preset.overrides))
     for key in ("model_dir", "data_dir", "runs_dir"):
         setattr(args, key, getattr(args, key).resolve())
     return args, extra
@@ -333,11 +349,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(args.runs_dir / args.suite / "logs", filename="ablation.log")
     for path, what in ((args.model_dir, "--model-dir"), (args.data_dir, "--data-dir")):
         if not path.is_dir():
-            raise SystemExit(f"{what} {path}: no such directory (`make run-tiny` builds the tiny SFT model and data)")
+            raise SystemExit(f"{what} {path}: no such directory (`python -m arpo.pipeline --preset {args.preset} "
+                             f"--skip-rl` builds the preset's SFT model and data)")
     suite = SUITES[args.suite]
     header = (f"Command: `python experiments/ablation.py {shlex.join(argv)}` — git SHA: `{git_sha()}` — "
               f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}")
-    runs = plan_runs(suite, args.seeds, args.model_dir, args.data_dir, args.runs_dir, args.smoke, extra)
+    runs = plan_runs(suite, args.seeds, args.model_dir, args.data_dir, args.runs_dir, args.smoke, extra,
+                     args.preset_overrides)
     for run in runs:
         if run.finished:
             _warn_if_changed(run)

@@ -92,6 +92,25 @@ def test_smoke_overrides_shrink_the_run(tmp_path):
     assert cfg.trainer.validation.max_samples == 4  # the caller's override comes after the smoke ones
 
 
+def test_a_preset_sizes_every_run_and_names_its_model_and_data(tmp_path):
+    args, extra = ablation.parse_args(["--suite", "advantage", "--preset", "smollm2", "--",
+                                       "trainer.total_training_steps=3"])
+    assert args.model_dir == REPO_ROOT / "outputs/smollm2_arpo/models/smollm2-sft"
+    assert args.data_dir == REPO_ROOT / "outputs/smollm2_arpo/data/synthetic"
+    assert "synthetic=hard" in args.preset_overrides
+    assert not any(o.startswith("sft.") for o in args.preset_overrides)  # only the RL stage's keys
+    grpo, soft, _ = ablation.plan_runs(ablation.SUITES["advantage"], [5], args.model_dir, args.data_dir, tmp_path,
+                                       smoke=False, extra=extra, preset=args.preset_overrides)
+    for run in (grpo, soft):
+        cfg = load_config("arpo_trainer", list(run.overrides))
+        assert cfg.actor_rollout_ref.rollout.max_model_len == 768  # the preset's sizing
+        assert cfg.trainer.total_training_steps == 3               # the key after -- wins over the preset's 14
+        assert cfg.trainer.experiment_name == f"advantage-{run.variant.name}-seed5"  # the run's name, not the preset's
+    assert load_config("arpo_trainer", list(grpo.overrides)).actor_rollout_ref.rollout.mode == "single"
+    with pytest.raises(SystemExit):
+        ablation.parse_args(["--suite", "advantage", "--preset", "nope"])
+
+
 # ---- the advantage suite end to end (slow) -------------------------------------------------------------------
 @pytest.mark.slow
 def test_smoke_advantage_suite_writes_results_and_skips_finished_runs(smoke_ablation, sft_model_dir):
