@@ -30,6 +30,11 @@ def setup_logging(log_dir: str | Path | None = None, level: str | int | None = N
     # vLLM otherwise installs its own stdout handler at import, which mixes its chatter into a script's output
     # (and into JSON printed on stdout); with this its records reach the handlers below. Inherited by workers.
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    # If vLLM was imported first it has already installed that handler (and stopped propagation): undo it.
+    vllm_logger = logging.getLogger("vllm")
+    for handler in list(vllm_logger.handlers):
+        vllm_logger.removeHandler(handler)
+    vllm_logger.propagate = True
     root = logging.getLogger()
     root.setLevel(level)
     if not any(getattr(h, "_arpo", False) and isinstance(h, logging.StreamHandler) for h in root.handlers):

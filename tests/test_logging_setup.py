@@ -1,12 +1,22 @@
 """The one logging setup: engine chatter goes to the run's log file, not the console."""
 
 import logging
+import sys
+
+import pytest
 
 from arpo.logging_utils import setup_logging
 
 
-def test_engine_info_reaches_the_file_but_not_the_console(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("vllm_configured_first", [False, True])
+def test_engine_info_reaches_the_file_but_not_the_console(tmp_path, capsys, monkeypatch, vllm_configured_first):
     monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
+    vllm_logger = logging.getLogger("vllm")
+    monkeypatch.setattr(vllm_logger, "handlers", [])
+    monkeypatch.setattr(vllm_logger, "propagate", True)
+    if vllm_configured_first:  # what an in-process engine does when vLLM's own logging config is on
+        vllm_logger.addHandler(logging.StreamHandler(sys.stdout))
+        vllm_logger.propagate = False
     root = logging.getLogger()
     before = list(root.handlers)
     for h in before:  # a fresh setup, whatever earlier tests installed (its console binds to capsys's stderr)
@@ -21,7 +31,8 @@ def test_engine_info_reaches_the_file_but_not_the_console(tmp_path, capsys, monk
         logging.getLogger("arpo.trainer").info("step 1")
         for h in root.handlers:
             h.flush()
-        console = capsys.readouterr().err
+        captured = capsys.readouterr()
+        console = captured.err + captured.out
         logged = (tmp_path / "run.log").read_text()
         assert "KV cache 4 GiB" in logged and "KV cache 4 GiB" not in console
         assert "engine slow" in logged and "engine slow" in console

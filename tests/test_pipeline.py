@@ -42,6 +42,7 @@ def test_unknown_preset_names_the_known_ones():
 SMOKE = ["synthetic.sizes.train=64", "synthetic.sizes.val=6", "synthetic.sizes.test=4", "synthetic.sizes.test_easy=0",
          "sft.max_steps=2", "sft.max_samples=16", "data.train_batch_size=2", "data.max_response_length=96",
          "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=4",
+         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
          "actor_rollout_ref.rollout.arpo.initial_rollouts=2", "actor_rollout_ref.rollout.max_model_len=512",
          "trainer.total_training_steps=1", "trainer.test_freq=1", "trainer.save_freq=-1",
          "trainer.logger=[console,jsonl]"]

@@ -8,6 +8,7 @@ convention into ``await client.method(...)`` for every method at once.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import ray
@@ -53,6 +54,17 @@ def launch_engine_actor(config: EngineConfig) -> RayEngineClient:
     return once the engine is ready, raising the engine's own error if it failed to start."""
     actor_cls = {"vllm": VLLMEngineActor, "hf": HFEngineActor}[config.name]
     num_gpus = config.tensor_model_parallel_size if ray.cluster_resources().get("GPU", 0) > 0 else 0
-    handle = actor_cls.options(num_cpus=1, num_gpus=num_gpus, max_concurrency=_MAX_CONCURRENCY).remote(config)
+    options: dict[str, Any] = {"num_cpus": 1, "num_gpus": num_gpus, "max_concurrency": _MAX_CONCURRENCY}
+    if not num_gpus:
+        # Ray pins OMP_NUM_THREADS to the actor's CPU share (1); the engine only computes while the trainer
+        # ranks wait for its rollouts, so it may use every core.
+        env = dict(ray.get_runtime_context().runtime_env.get("env_vars") or {})
+        env["OMP_NUM_THREADS"] = str(config.cpu_threads or _cores())
+        options["runtime_env"] = {"env_vars": env}
+    handle = actor_cls.options(**options).remote(config)
     ray.get(handle.get_startup_seconds.remote())
     return RayEngineClient(handle)
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

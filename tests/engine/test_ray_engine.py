@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
@@ -57,5 +58,8 @@ def test_vllm_engine_actor_generates_and_reloads(run, ray_session, tiny_model_di
         run(client.sleep())
         run(client.wake_up())
         assert run(client.get_startup_seconds()) > 0
+        # Ray would give the actor 1 thread (its CPU share); generation gets every core instead.
+        threads = ray_session.get(client.handle.__ray_call__.remote(lambda self: __import__("torch").get_num_threads()))
+        assert threads == len(os.sched_getaffinity(0))
     finally:
         client.kill()

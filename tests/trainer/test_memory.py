@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import platform
 
 import pytest
@@ -13,9 +14,12 @@ MIB = 1024 * 1024
 
 def test_memory_stats_peak_follows_an_allocation_and_resets():
     before = memory_stats(reset_peak=True)
-    block = bytearray(64 * MIB)  # zero-filled, so every page is touched
+    # A fresh anonymous mapping, written through: malloc could hand back pages an earlier test freed but
+    # left resident, and then RSS would not move.
+    block = mmap.mmap(-1, 64 * MIB)
+    block.write(b"\1" * (64 * MIB))
     during = memory_stats()
-    del block
+    block.close()
     after = memory_stats(reset_peak=True)
     assert during["rss_mb"] >= before["rss_mb"] + 60
     assert after["peak_rss_mb"] >= during["rss_mb"] - 1
