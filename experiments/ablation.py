@@ -1,4 +1,4 @@
-"""ARPO ablations on the tiny synthetic setup: variants at equal rollout budget, over seeds, resumable.
+"""ARPO ablations on the synthetic tool-use setup: variants at equal rollout budget, over seeds, resumable.
 
 Usage (repository root; `make run-tiny` / `make run` build the data and the SFT model the runs start from):
 
@@ -33,7 +33,8 @@ under ``--runs-dir`` (ignored by git). ``notebooks/arpo_analysis.ipynb`` reads `
 ``--smoke`` (CI): 2 steps, the first seed only, 8 validation prompts, 1 FSDP rank, 4 rollout-dump prompts.
 Time on a 2-core CPU: a smoke run ~50 s (~37 s of it start-up), a smoke suite of 3 variants ~4 min (the rollout
 dumps ~1 min of it); a default run (6 steps, 32 validation prompts) ~1.5 min, so a suite of 3 variants x 3 seeds
-~15 min.
+~15 min. With ``--preset smollm2`` (SmolLM2-135M, 8 steps, 256 validation questions) a run takes ~24 min, a
+suite of 3 variants x 3 seeds ~3.5 h: run it over several sittings.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def train(run: Run) -> bool:
         finally:
             _RUNNING.discard(proc)
     wall = time.perf_counter() - start
-    record["attempts"].append({"returncode": rc, "wall_s": round(wall, 1),
+    record["attempts"].append({"returncode": rc, "wall_s": round(wall, 1), "git_sha": git_sha(),
                                "ended": datetime.now(timezone.utc).isoformat(timespec="seconds")})
     record.update(overrides=list(run.overrides), wall_s=round(sum(a["wall_s"] for a in record["attempts"]), 1))
     record_path.write_text(json.dumps(record, indent=2))
@@ -229,9 +230,11 @@ def collect(suite: Suite, runs: list[Run], out: Path, header: str, smoke: bool, 
     names = [v.name for v in suite.variants]
     all_summaries = analysis.seed_summaries(out / "runs")
     summaries = {n: all_summaries[n] for n in names if n in all_summaries}
-    note = ("Val acc / reward: final greedy validation `val-core/all/acc/mean` / `val-core/all/reward/mean` "
-            "(\"–\": not logged); train score: `critic/score/mean` at the last step; tool calls / traj: over all "
-            "training steps; tokens generated: `rollout/tokens/generated` summed over steps; wall: every attempt of "
+    note = ("Val acc / reward: final validation (sampled as `trainer.validation.*` says; greedy by default) "
+            "`val-core/all/acc/mean` / `val-core/all/reward/mean` "
+            "(\"–\": not logged); train score: `critic/score/mean` at the last step; tool calls / traj: tool calls "
+            "executed in training per trajectory, over all steps (an ARPO fork re-uses its parent's calls and "
+            "results, so it runs fewer than its trajectories contain); tokens generated: `rollout/tokens/generated` summed over steps; wall: every attempt of "
             "the run, start-up and validation included (with --jobs > 1, under each other's load). Mean ± std "
             f"over seeds (ddof 1); p: Welch's t-test against `{suite.baseline}` over seeds (\"–\": < 2 seeds).")
     write_training_tables(summaries, out, suite.baseline, header=header, note=note)
@@ -248,11 +251,29 @@ def collect(suite: Suite, runs: list[Run], out: Path, header: str, smoke: bool, 
               "**Smoke run (2 steps, one seed): checks the pipeline, not a result.**\n" if smoke else "",
               "Variants (same data, steps, seeds and budget M = `actor_rollout_ref.rollout.n`):", "", variants, "",
               "## Results", "", (out / "table.md").read_text().split("\n\n", 1)[-1], "",
-              *[f"![{p.stem}]({p.name})\n" for p in figures], branching,
+              _gain_section(out / "runs", names), *[f"![{p.stem}]({p.name})\n" for p in figures], branching,
               "Per-run metrics: `runs/<variant>/seed<K>/metrics.jsonl`; every number of the table: `runs.csv`. "
               f"Regenerate the table: `python -m arpo.tables --training-runs {_shown(out)}/runs --out {_shown(out)} "
               f"--baseline {suite.baseline}`; explore: `notebooks/arpo_analysis.ipynb`.", ""]
     (out / "README.md").write_text("\n".join(readme))
+
+
+def _gain_section(runs_dir: Path, names: list[str]) -> str:
+    """Each run's validation accuracy before and after RL, paired by question, with the gain's bootstrap
+    interval (the run's ``summary.json``), and the git SHA of the attempt that finished it."""
+    lines = ["### Gain over the starting model, per run (paired by validation question)", "",
+             "| Variant | Seed | Val acc before → after | Gain [95% CI] | n | git SHA |", "|---|---:|---:|---:|---:|---|"]
+    for name in names:
+        for seed_dir in sorted((runs_dir / name).glob("seed*"), key=lambda p: int(p.name[4:])):
+            gain = json.loads((seed_dir / "summary.json").read_text()).get("validation_gain", {}).get("acc")
+            if not gain:
+                continue
+            record = seed_dir / analysis.RUN_RECORD
+            attempts = json.loads(record.read_text())["attempts"] if record.is_file() else []
+            sha = attempts[-1].get("git_sha", "–")[:12] if attempts else "–"
+            lines.append(f"| {name} | {seed_dir.name[4:]} | {gain['before']:.3f} → {gain['after']:.3f} | "
+                         f"{gain['gain']:+.3f} [{gain['low']:+.3f}, {gain['high']:+.3f}] | {gain['n']} | `{sha}` |")
+    return "\n".join(lines + [""]) if len(lines) > 3 else ""
 
 
 def _curves(out: Path, names: list[str]):

@@ -982,7 +982,10 @@ class _RolloutCall:
             "rollout/fill_predicted": float(c["fill_predicted"]),
             "rollout/tokens/discarded": float(c["tokens_discarded"]),
             "rollout/requests": float(c["requests"]),
+            # executed calls: a fork re-uses its parent's results, so ARPO runs fewer than its trajectories hold
             "rollout/tool_calls/total": float(sum(v for k, v in c.items() if k.startswith("tool_calls/"))),
+            "rollout/tool_calls/in_trajectory_mean": (float(sum(len(t.tool_calls) for t in kept)) / len(kept)
+                                                      if kept else math.nan),
             "rollout/tool_calls/errors": float(c["tool_errors"]),
             "rollout/tool_calls/malformed": float(c["tool_calls_malformed"]),
             "rollout/tool_calls/hit_limit": float(c["tool_calls_hit_limit"]),

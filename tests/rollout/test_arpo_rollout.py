@@ -140,7 +140,9 @@ def check_invariants(batch: DataBatch, cfg: ARPORolloutConfig, tok, n_prompts: i
         assert m["rollout/fill_predicted"] == 0
     # what describes the batch counts its rows only, not the dropped speculative fills
     assert m["rollout/trajectories"] == len(rs)
+    # executed calls exclude a fork's inherited ones; the calls its trajectory holds include them
     assert m["rollout/tool_calls/total"] == sum(1 for r in rs for c in r["calls"] if c["end"] > r["bpos"])
+    assert m["rollout/tool_calls/in_trajectory_mean"] == pytest.approx(sum(len(r["calls"]) for r in rs) / len(rs))
     assert m["rollout/tokens/response_model_total"] == sum(sum(r["mask"]) for r in rs)
 
 
