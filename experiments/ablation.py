@@ -331,9 +331,10 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="HF checkpoint the runs start from (default: the preset's cold-start SFT model)")
     parser.add_argument("--data-dir", type=Path,
                         help="synthetic data folder (default: the preset's train/val/test parquet + corpus.jsonl)")
-    parser.add_argument("--out", type=Path, help="results folder (default experiments/results/<suite>)")
-    parser.add_argument("--runs-dir", type=Path, default=REPO / "outputs/ablation",
-                        help="where run folders with checkpoints go (not committed)")
+    parser.add_argument("--out", type=Path, help="results folder (default experiments/results/<suite>, with "
+                                                  "another preset than tiny experiments/results/<preset>_<suite>)")
+    parser.add_argument("--runs-dir", type=Path,
+                        help="where run folders with checkpoints go (not committed; default outputs/ablation/<preset>)")
     parser.add_argument("--dump-prompts", type=int, default=None,
                         help=f"test prompts rolled out with entropy per variant (default 16, --smoke "
                              f"{SMOKE_DUMP_PROMPTS}; 0: none)")
@@ -348,7 +349,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         args.seeds = args.seeds[:1]
     if args.dump_prompts is None:
         args.dump_prompts = SMOKE_DUMP_PROMPTS if args.smoke else 16
-    args.out = (args.out or REPO / "experiments" / "results" / args.suite).resolve()
+    default_out = args.suite if args.preset == "tiny" else f"{args.preset}_{args.suite}"
+    args.out = (args.out or REPO / "experiments" / "results" / default_out).resolve()
     try:
         preset = Preset.load(args.preset)
     except ConfigError as e:
@@ -357,6 +359,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     args.model_dir = args.model_dir or paths["sft_model"]
     args.data_dir = args.data_dir or paths["data"]
     args.preset_overrides = overrides_for_stage("arpo_trainer", list(preset.overrides))
+    args.runs_dir = args.runs_dir or REPO / "outputs" / "ablation" / args.preset
     for key in ("model_dir", "data_dir", "runs_dir"):
         setattr(args, key, getattr(args, key).resolve())
     return args, extra
@@ -379,7 +382,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                      args.preset_overrides)
     for run in runs:
         if run.finished:
-            _warn_if_changed(run)
+            changed = _changed_overrides(run)
+            if changed:
+                # another setting's results would be mixed into this table
+                print(f"error: {run.dir} finished with other overrides ({changed}); give --runs-dir another "
+                      f"folder or delete that run to rerun it", file=sys.stderr)
+                return 2
             logger.info("%s seed %d: finished earlier, skipped", run.variant.name, run.seed)
     pending = [r for r in runs if not r.finished]
     failed = []
@@ -413,12 +421,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _warn_if_changed(run: Run) -> None:
+def _changed_overrides(run: Run) -> list[str]:
+    """The keys in which a finished run's recorded overrides differ from this invocation's (none: same run)."""
     record = run.dir / analysis.RUN_RECORD
     before = json.loads(record.read_text()).get("overrides") if record.is_file() else None
-    if before is not None and before != list(run.overrides):
-        logger.warning("%s finished with other overrides than now (%s); delete it to rerun with the new ones",
-                       run.dir, sorted(set(before) ^ set(run.overrides)))
+    return [] if before is None else sorted(set(before) ^ set(run.overrides))
 
 
 if __name__ == "__main__":

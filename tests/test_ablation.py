@@ -107,6 +107,11 @@ def test_a_preset_sizes_every_run_and_names_its_model_and_data(tmp_path):
         assert cfg.trainer.total_training_steps == 3               # the key after -- wins over the preset's 14
         assert cfg.trainer.experiment_name == f"advantage-{run.variant.name}-seed5"  # the run's name, not the preset's
     assert load_config("arpo_trainer", list(grpo.overrides)).actor_rollout_ref.rollout.mode == "single"
+    # each preset's runs and results in their own folders: a tiny suite never picks up SmolLM2 runs
+    assert args.runs_dir == REPO_ROOT / "outputs/ablation/smollm2"
+    assert args.out == REPO_ROOT / "experiments/results/smollm2_advantage"
+    tiny, _ = ablation.parse_args(["--suite", "advantage"])
+    assert tiny.runs_dir == REPO_ROOT / "outputs/ablation/tiny" and tiny.out == REPO_ROOT / "experiments/results/advantage"
     with pytest.raises(SystemExit):
         ablation.parse_args(["--suite", "advantage", "--preset", "nope"])
 
@@ -136,6 +141,7 @@ def test_smoke_advantage_suite_writes_results_and_skips_finished_runs(smoke_abla
     for png in ("reward_curves.png", "entropy_around_tools.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({png})" in readme
     assert "forks / group" in readme
+    assert "Gain over the starting model" in readme and "| grpo | 3 |" in readme  # paired gain per run
 
     # a second invocation finds every run finished: nothing is trained or dumped again
     records = {v: (runs / "advantage" / v / "seed3" / "ablation_run.json").read_text() for v in variants}
@@ -148,3 +154,8 @@ def test_smoke_advantage_suite_writes_results_and_skips_finished_runs(smoke_abla
     assert {v: (runs / "advantage" / v / "seed3" / "ablation_run.json").read_text() for v in variants} == records
     assert {v: (out / "rollouts" / f"{v}.jsonl").stat().st_mtime_ns for v in variants} == dumps
     assert (out / "table.md").read_text().split("\n\n", 1)[1] == table.split("\n\n", 1)[1]
+
+    # the same runs asked for with another setting: an error, not old results under a new label
+    changed = _ablation(sft_model_dir, out, runs, "--", "actor_rollout_ref.actor.optim.lr=3e-6")
+    assert changed.returncode == 2 and "finished with other overrides" in changed.stderr
+    assert "actor_rollout_ref.actor.optim.lr=3e-6" in changed.stderr
