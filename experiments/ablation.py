@@ -231,11 +231,11 @@ def collect(suite: Suite, runs: list[Run], out: Path, header: str, smoke: bool, 
     all_summaries = analysis.seed_summaries(out / "runs")
     summaries = {n: all_summaries[n] for n in names if n in all_summaries}
     note = ("Val acc / reward: final validation (sampled as `trainer.validation.*` says; greedy by default) "
-            "`val-core/all/acc/mean` / `val-core/all/reward/mean` "
-            "(\"–\": not logged); train score: `critic/score/mean` at the last step; tool calls / traj: tool calls "
-            "executed in training per trajectory, over all steps (an ARPO fork re-uses its parent's calls and "
-            "results, so it runs fewer than its trajectories contain); tokens generated: `rollout/tokens/generated` summed over steps; wall: every attempt of "
-            "the run, start-up and validation included (with --jobs > 1, under each other's load). Mean ± std "
+            "`val-core/all/acc/mean` / `val-core/all/reward/mean` (\"–\": not logged); train score: "
+            "`critic/score/mean` at the last step; tool calls / traj: tool calls executed in training per "
+            "trajectory, over all steps (an ARPO fork re-uses its parent's calls and results, so it runs fewer than "
+            "its trajectories contain); tokens generated: `rollout/tokens/generated` summed over steps; wall: every "
+            "attempt of the run, start-up and validation included (with --jobs > 1, under each other's load). Mean ± std "
             f"over seeds (ddof 1); p: Welch's t-test against `{suite.baseline}` over seeds (\"–\": < 2 seeds).")
     write_training_tables(summaries, out, suite.baseline, header=header, note=note)
     figures = [_save(_curves(out, names), out / "reward_curves.png", header)]
@@ -262,7 +262,8 @@ def _gain_section(runs_dir: Path, names: list[str]) -> str:
     """Each run's validation accuracy before and after RL, paired by question, with the gain's bootstrap
     interval (the run's ``summary.json``), and the git SHA of the attempt that finished it."""
     lines = ["### Gain over the starting model, per run (paired by validation question)", "",
-             "| Variant | Seed | Val acc before → after | Gain [95% CI] | n | git SHA |", "|---|---:|---:|---:|---:|---|"]
+             "| Variant | Seed | Val acc before → after | Gain [95% CI] | n | git SHA |",
+             "|---|---:|---:|---:|---:|---|"]
     for name in names:
         for seed_dir in sorted((runs_dir / name).glob("seed*"), key=lambda p: int(p.name[4:])):
             gain = json.loads((seed_dir / "summary.json").read_text()).get("validation_gain", {}).get("acc")

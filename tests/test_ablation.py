@@ -111,7 +111,8 @@ def test_a_preset_sizes_every_run_and_names_its_model_and_data(tmp_path):
     assert args.runs_dir == REPO_ROOT / "outputs/ablation/smollm2"
     assert args.out == REPO_ROOT / "experiments/results/smollm2_advantage"
     tiny, _ = ablation.parse_args(["--suite", "advantage"])
-    assert tiny.runs_dir == REPO_ROOT / "outputs/ablation/tiny" and tiny.out == REPO_ROOT / "experiments/results/advantage"
+    assert tiny.runs_dir == REPO_ROOT / "outputs/ablation/tiny"
+    assert tiny.out == REPO_ROOT / "experiments/results/advantage"
     with pytest.raises(SystemExit):
         ablation.parse_args(["--suite", "advantage", "--preset", "nope"])
 
