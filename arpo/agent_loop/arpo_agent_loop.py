@@ -137,7 +137,9 @@ class ARPOAgentLoop(ToolAgentLoop):
         self._fill()
         try:
             while self.tasks:
-                await asyncio.gather(*list(self.tasks))
+                done, _ = await asyncio.wait(list(self.tasks), return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    self._check(task)
                 self._fill()  # every branch is done: waiting decisions are granted, the rest goes to fresh roots
         except BaseException:
             for task in self.tasks:
@@ -151,6 +153,15 @@ class ARPOAgentLoop(ToolAgentLoop):
 
     def _new_conversation(self) -> Conversation:
         return Conversation(uuid.uuid4().hex, self.prompt_ids, token_entropy=[] if self.return_entropy else None)
+
+    def _check(self, task: asyncio.Task) -> None:
+        """Re-raise a branch's failure. A dropped speculative fill may end cancelled (cancelled before it
+        started, or by its own :meth:`_fill`); that is its normal end, never the group's."""
+        if task.cancelled():
+            if not any(b.task is task and b.discarded for b in self.branches):
+                raise asyncio.CancelledError("an ARPO branch was cancelled from outside its group")
+        elif task.exception() is not None:
+            raise task.exception()
 
     def _spawn(self, branch: _Branch) -> None:
         self.branches.append(branch)
@@ -172,9 +183,11 @@ class ARPOAgentLoop(ToolAgentLoop):
             b.speculative = False
         for _ in range(plan.start):
             self._spawn_fill()
+        current = asyncio.current_task()
         for b in spec[len(spec) - plan.drop:]:
             b.speculative, b.discarded = False, True
-            if b.task is not None and not b.task.done():
+            # a branch dropped from its own task stops at its next check instead (_drive)
+            if b.task is not None and b.task is not current and not b.task.done():
                 b.task.cancel()
         for _ in range(plan.predict):
             self._spawn_fill(speculative=True)
@@ -210,6 +223,8 @@ class ARPOAgentLoop(ToolAgentLoop):
         try:
             while not conv.finish_reason:
                 self._fill()
+                if b.discarded:
+                    return
                 seg_start = len(conv.response_ids)
                 out = await self.generate_turn(conv, self._request_params(b))
                 h = self._window(out)
@@ -276,7 +291,7 @@ class ARPOAgentLoop(ToolAgentLoop):
             if len(self.root_h0) == self.initial_count and not self.group_h0.done():
                 known = [x for x in self.root_h0 if x is not None]
                 self.group_h0.set_result(sum(known) / len(known) if known else None)
-        b.h_initial = await self.group_h0
+        b.h_initial = await asyncio.shield(self.group_h0)  # a dropped fill must not cancel the shared future
 
     async def _maybe_fork(self, b: _Branch, h_now: float | None, state: Conversation,
                           record: dict[str, Any] | None) -> None:
@@ -286,7 +301,7 @@ class ARPOAgentLoop(ToolAgentLoop):
             if self.bcfg.beam_size <= 1 or self.budget.remaining == 0 or h_now is None or b.kind == "fill":
                 return
             if b.h_initial is None and self.bcfg.initial_entropy_scope == "group":
-                b.h_initial = await self.group_h0
+                b.h_initial = await asyncio.shield(self.group_h0)
             if b.h_initial is None:
                 return
             delta_h = h_now - b.h_initial

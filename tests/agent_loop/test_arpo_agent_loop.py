@@ -287,3 +287,22 @@ def test_fill_prediction_starts_the_fills_of_a_group_whose_draws_cannot_fork_the
     check_tree(tokenizer, engine, outs, 6)
     first_end = next(i for i, (kind, _) in enumerate(engine.events) if kind == "end")
     assert sum(kind == "start" for kind, _ in engine.events[:first_end]) == 5
+
+
+@pytest.mark.parametrize("timing,scope", [("code", "trajectory"), ("paper", "trajectory"), ("paper", "group")])
+def test_no_batch_is_lost_under_fill_prediction_stress(tokenizer, timing, scope):
+    # M=16, N=8, default branch probability and fill prediction, random completion order: dropped speculative
+    # fills are cancelled (by their own task, before they start, or while waiting for the group's initial
+    # entropy) and none of that may escape into the group
+    lost = []
+    for batch in range(100):
+        engine = SeededEngine(tokenizer, batch)
+        try:
+            outs = run_group(tokenizer, engine, 16, initial_rollouts=8, seed=batch, max_user_turns=3,
+                             request_seed=batch,
+                             branching={"timing": timing, "initial_entropy_scope": scope, "window": 5})
+        except asyncio.CancelledError:
+            lost.append(batch)
+            continue
+        check_tree(tokenizer, engine, outs, 16)
+    assert lost == []
