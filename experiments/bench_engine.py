@@ -2,6 +2,7 @@
 
     python experiments/bench_engine.py --model outputs/models/tiny-base
     python experiments/bench_engine.py --model PATH --prompts 64 --prompt-len 256 --max-tokens 256 --repeats 3
+    python experiments/bench_engine.py --model PATH --backends vllm --dtype float32,bfloat16   # one row per dtype
 
 Every request of a round is submitted at once (as the rollout does), sampled at temperature 1 with top-k
 logprobs (ARPO needs them for entropy), each with its own seed. Per backend: start-up seconds (engine creation,
@@ -43,7 +44,8 @@ async def one_round(engine, prompts: list[list[int]], sp: SamplingParams, tag: s
     return {"wall_s": round(wall, 3), "tokens": tokens, "tokens_per_s": round(tokens / wall, 1)}
 
 
-async def bench_backend(name: str, model: str, prompts, sp: SamplingParams, repeats: int, max_model_len: int) -> dict:
+async def bench_backend(name: str, model: str, prompts, sp: SamplingParams, repeats: int, max_model_len: int,
+                        dtype: str = "auto") -> dict:
     import_start = time.perf_counter()
     if name == "vllm":
         import vllm  # noqa: F401
@@ -54,7 +56,8 @@ async def bench_backend(name: str, model: str, prompts, sp: SamplingParams, repe
 
         from arpo.engine.hf_engine import HFEngine as Engine
     import_s = time.perf_counter() - import_start
-    cfg = EngineConfig(model_path=model, name=name, max_model_len=max_model_len, hf_max_batch_size=len(prompts))
+    cfg = EngineConfig(model_path=model, name=name, max_model_len=max_model_len, hf_max_batch_size=len(prompts),
+                       dtype=dtype)
     start = time.perf_counter()
     engine = Engine(cfg)
     startup_s = time.perf_counter() - start
@@ -82,6 +85,8 @@ async def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--backends", default="hf,vllm")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="auto", help="engine dtype(s), comma-separated: auto | float32 | bfloat16; "
+                                                     "each backend runs once per dtype (key <backend>@<dtype>)")
     args = ap.parse_args()
     if not (Path(args.model) / "config.json").exists():
         sys.exit(f"--model {args.model}: no HF checkpoint there; build the tiny one with `python -m arpo.models.tiny` "
@@ -95,8 +100,12 @@ async def main() -> None:
     result: dict = {"model": str(args.model), "prompts": args.prompts, "prompt_len": args.prompt_len,
                     "max_tokens": args.max_tokens, "logprobs": args.logprobs, "repeats": args.repeats,
                     "machine": {"platform": platform.platform(), "python": platform.python_version()}}
+    dtypes = args.dtype.split(",")
     for name in args.backends.split(","):
-        result[name] = await bench_backend(name, args.model, prompts, sp, args.repeats, max_model_len)
+        for dtype in dtypes:
+            key = name if len(dtypes) == 1 else f"{name}@{dtype}"
+            key += f"#{sum(k.split('#')[0] == key for k in result)}" if key in result else ""  # a repeated dtype
+            result[key] = await bench_backend(name, args.model, prompts, sp, args.repeats, max_model_len, dtype)
     if "hf" in result and "vllm" in result:
         result["vllm_over_hf_tokens_per_s"] = round(result["vllm"]["median_tokens_per_s"]
                                                     / result["hf"]["median_tokens_per_s"], 2)

@@ -17,6 +17,7 @@ Prints one JSON object.
         --response-len 300-500 --ranks 2 --micro 1,2,4,8 --settings multi --steps 1 --warmup 0
     ... --on-policy                                           # no old-log-prob pass (one mini-batch, 1 epoch)
     ... --set actor_rollout_ref.model.dtype=float32           # any config key (YAML-typed value)
+    ... --system 105 --set actor_rollout_ref.model.share_prefix=false   # a shared system prompt, run per row
     python experiments/bench_trainer.py --model /tmp/smollm2-hf --numerics --text README.md --rows 4 \
         --prompt-len 150 --response-len 400 --sample 400
         # bf16 autocast vs fp32 on one process, on responses sampled from the model: log-prob / entropy
@@ -60,14 +61,18 @@ def length_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def make_batch(rows: int, prompt_len: tuple[int, int], response_len: tuple[int, int], vocab: int, seed: int):
-    """Random rows shaped like a rollout: prompt, model tokens, a tool result, model tokens."""
+def make_batch(rows: int, prompt_len: tuple[int, int], response_len: tuple[int, int], vocab: int, seed: int,
+               system: int = 0):
+    """Random rows shaped like a rollout: prompt (its first ``system`` tokens the same in every row, as a
+    system prompt), model tokens, a tool result, model tokens."""
     g = torch.Generator().manual_seed(seed)
     draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
+    system_ids = torch.randint(5, vocab, (system,), generator=g).tolist()
     trajs = []
     for i in range(rows):
         p, r = draw(*prompt_len), draw(*response_len)
-        t = Trajectory(group=i // 2, prompt_ids=torch.randint(5, vocab, (p,), generator=g).tolist())
+        prompt = system_ids + torch.randint(5, vocab, (max(0, p - system),), generator=g).tolist()
+        t = Trajectory(group=i // 2, prompt_ids=prompt)
         third = r // 3
         t.append(torch.randint(5, vocab, (third,), generator=g).tolist(), True)
         t.append(torch.randint(5, vocab, (third,), generator=g).tolist(), False)  # a tool result
@@ -258,6 +263,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=16, help="trajectories per step (one mini-batch, n=2 per prompt)")
     p.add_argument("--prompt-len", type=length_range, default=(64, 64), help="N or MIN-MAX tokens")
     p.add_argument("--response-len", type=length_range, default=(192, 192), help="N or MIN-MAX tokens")
+    p.add_argument("--system", type=int, default=0, help="leading prompt tokens shared by every row (a system "
+                   "prompt; actor_rollout_ref.model.share_prefix runs them once per micro-batch)")
     p.add_argument("--micro", default="4", help="comma list: ppo_micro_batch_size_per_gpu (and log-prob micro)")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="timed steps")
@@ -286,7 +293,8 @@ def main() -> None:
         if args.text:
             batch = text_batch(model, args.text, args.rows, args.prompt_len, args.response_len, seed=0)
         else:
-            batch = make_batch(args.rows, args.prompt_len, args.response_len, min(vocab, 2000), seed=0)
+            batch = make_batch(args.rows, args.prompt_len, args.response_len, min(vocab, 2000), seed=0,
+                               system=args.system)
         if args.numerics:
             torch.set_num_threads(max(1, args.cpus // args.ranks))
             print(json.dumps({"bench": "trainer_numerics", "model": str(model), "rows": args.rows,
@@ -315,7 +323,8 @@ def main() -> None:
             print(json.dumps(entry), file=sys.stderr, flush=True)  # progress: one line per micro size
     print(json.dumps({
         "bench": "trainer_step", "device": args.device, "model": str(args.model or "tiny (built)"),
-        "rows": args.rows, "prompt_len": list(args.prompt_len), "response_len": list(args.response_len),
+        "rows": args.rows, "prompt_len": list(args.prompt_len), "system": args.system,
+        "response_len": list(args.response_len),
         "on_policy": args.on_policy, "overrides": args.set, "timed_steps": args.steps, "warmup_steps": args.warmup,
         "cpu_count": os.cpu_count(), "results": results,
     }, indent=2))

@@ -71,6 +71,8 @@ class ActorWorker:
         self.rank = rank
         self.world_size = world_size
         self.settings = device_settings_from_config(config)
+        # the tokens every row of a micro-batch begins with (the system prompt) run once; fast layout only
+        self.share_prefix = bool(cfg_get(config, "actor_rollout_ref.model.share_prefix", True))
         self.model: Any = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -198,7 +200,8 @@ class ActorWorker:
                 self.model, micro["input_ids"].to(dev), micro["attention_mask"].to(dev),
                 micro["position_ids"].to(dev), response_length=micro["responses"].shape[1], chunk_size=chunk,
                 temperature=temperature, calc_entropy=calc_entropy, entropy_grad=entropy_grad, pack=fast,
-                head_mask=head_mask.to(dev) if fast and head_mask is not None else None)
+                head_mask=head_mask.to(dev) if fast and head_mask is not None else None,
+                share_prefix=fast and self.share_prefix)
 
     def compute_log_prob(self, batch: DataBatch, calc_entropy: bool | None = None) -> dict[str, torch.Tensor]:
         """Log-probs of ``responses`` under this rank's model (no grad), micro-batched, for this rank's rows:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from transformers.cache_utils import DynamicLayer
 
 DEFAULT_CHUNK_SIZE = 256  # configs/algorithm.yaml: actor_rollout_ref.actor.logprob_chunk_size
 
@@ -170,6 +171,75 @@ def left_align(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_i
     return ids, pos, sources
 
 
+#: shortest common prefix worth a separate pass (below it the extra layer calls cost more than they save)
+MIN_SHARED_PREFIX = 16
+
+
+def shared_prefix_length(input_ids: torch.Tensor, sources: torch.Tensor, valid: torch.Tensor) -> int:
+    """Columns at the start of every (left-aligned) row that hold the same tokens in all rows and whose hidden
+    states predict no scored token: the system prompt that every trajectory of a batch begins with, or a
+    group's whole prompt. 0 when fewer than :data:`MIN_SHARED_PREFIX` or the batch has one row."""
+    if input_ids.shape[0] < 2 or not bool(valid.any()):
+        return 0
+    same = (input_ids == input_ids[:1]).all(dim=0)
+    common = int(same.int().argmin()) if not bool(same.all()) else input_ids.shape[1]
+    first_source = int(sources[valid].min())  # the hidden state at this column is needed per row
+    n = min(common, first_source)
+    return n if n >= MIN_SHARED_PREFIX else 0
+
+
+class _FrozenPrefixLayer(DynamicLayer):
+    """One decoder layer's key/value cache of a shared prefix, read-only: ``update`` returns the prefix's
+    states (broadcast over the batch) followed by the new ones and stores nothing. Gradient checkpointing
+    replays a layer's forward in the backward pass; a cache that grew on the first call would hand the
+    replay a different prefix, so HF drops caches under checkpointing unless the layer only reads them."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.keys, self.values = keys, values
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        b = key_states.shape[0]
+        return (torch.cat([self.keys.expand(b, -1, -1, -1), key_states], dim=-2),
+                torch.cat([self.values.expand(b, -1, -1, -1), value_states], dim=-2))
+
+
+class _AnchorHead(nn.Module):
+    """The output head of the prefix pass, whose hidden states are only needed as keys and values: a zero
+    that depends on them. Added to the result, it puts the prefix pass's outputs in the loss's graph, so
+    that wrappers which act on gradients reaching a module's outputs (FSDP2 gathers the parameters again
+    for the backward there) see this forward's backward too."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states[:, -1:, :1].float() * 0.0
+
+
+def _checkpointing_modules(model: nn.Module) -> list[nn.Module]:
+    """The model and its layers with HF gradient checkpointing on (they drop caches in training mode)."""
+    return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+
+
+def _prefix_cache(model: nn.Module, head: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor):
+    """Run the shared prefix (one row) through the whole model once — through its root forward, so that
+    wrappers such as FSDP2 gather and reduce its parameters as for any forward — and return its cache as
+    read-only layers. Under autograd the prefix's activations are kept (one row): gradients of every row's
+    loss flow back through its keys and values."""
+    checkpointing = _checkpointing_modules(model)
+    for m in checkpointing:  # the prefix pass must return its cache (HF drops it under checkpointing)
+        m.gradient_checkpointing = False
+    model.lm_head = _AnchorHead()
+    try:
+        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=True)
+    finally:
+        model.lm_head = head
+        for m in checkpointing:
+            m.gradient_checkpointing = True
+    cache = out.past_key_values
+    cache.layers = [_FrozenPrefixLayer(layer.keys, layer.values) for layer in cache.layers]
+    return cache, [m for m in checkpointing if hasattr(m, "_can_checkpoint_with_cache")], out.logits.sum()
+
+
 def compute_logprobs_and_entropy(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -183,6 +253,7 @@ def compute_logprobs_and_entropy(
     head_fp32: bool = True,
     pack: bool = True,
     head_mask: torch.Tensor | None = None,
+    share_prefix: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of the response tokens of a verl-layout batch under a HF causal LM.
 
@@ -197,7 +268,9 @@ def compute_logprobs_and_entropy(
     ``head_fp32`` runs the output projection in fp32 (see :func:`_head_chunk`). ``pack`` runs the rows
     left-aligned without padding mask (:func:`left_align`). ``head_mask`` (B, R), e.g. the update's loss
     mask, restricts the vocabulary projection to those positions (tool results carry no loss): others are
-    0 too.
+    0 too. ``share_prefix`` (with ``pack``) runs the columns every row begins with (:func:`shared_prefix_length`)
+    once instead of once per row, and the rest of each row on their keys and values: the same log-probs and
+    gradients (up to float rounding) for fewer tokens.
     """
     if response_length < 1 or response_length >= input_ids.shape[1]:
         raise ValueError(f"response_length must be in [1, {input_ids.shape[1] - 1}], got {response_length}")
@@ -220,12 +293,23 @@ def compute_logprobs_and_entropy(
         # The hidden state at column p predicts token p + 1: columns [-R-1, -1) predict the response.
         first = input_ids.shape[1] - response_length - 1
         sources = (first + torch.arange(response_length, device=input_ids.device)).expand(len(labels), -1)
+    prefix = shared_prefix_length(input_ids, sources, valid) if aligned is not None and share_prefix else 0
+    cache, readers, anchor = None, [], None
+    if prefix:
+        cache, readers, anchor = _prefix_cache(model, head, input_ids[:1, :prefix], position_ids[:1, :prefix])
+        input_ids, position_ids, sources = input_ids[:, prefix:], position_ids[:, prefix:], sources - prefix
     model.lm_head = _ChunkedResponseHead(head, labels, valid, sources, chunk_size, temperature, calc_entropy,
                                          entropy_grad, head_fp32)
+    for m in readers:  # the frozen prefix is read, never written: safe to replay under checkpointing
+        m._can_checkpoint_with_cache = True
     try:
         out: Any = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=False)
+                         past_key_values=cache, use_cache=False)
     finally:
         model.lm_head = head
+        for m in readers:
+            del m._can_checkpoint_with_cache  # back to the class default
     packed = out.logits if hasattr(out, "logits") else out[0]
+    if anchor is not None:
+        packed = packed + anchor
     return packed[..., 0], (packed[..., 1] if calc_entropy else None)

@@ -156,14 +156,15 @@ def test_update_without_old_log_probs_needs_an_on_policy_config(small_model, ray
 
 def test_bf16_ranks_autocast_and_agree_with_fp32(small_model, ray_cluster):
     """dtype=bfloat16 on CPU: the ranks run under autocast (fp32 master weights) and their log-probs stay
-    within two bf16 roundings (u = 2^-8) of the largest logit of the fp32 model's; the update runs."""
+    within two bf16 roundings (u = 2^-8) of the largest logit of the fp32 model's; the update runs. The
+    prompts share a 20-token system prompt, which the fast layout runs once per micro-batch (share_prefix)."""
     from transformers import AutoModelForCausalLM
 
     from arpo.trainer.worker_group import RayWorkerGroup
 
     cfg = base_config(small_model, world=2, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2)
     cfg["actor_rollout_ref"]["model"]["dtype"] = "bfloat16"
-    batch = random_batch(8, seed=11)
+    batch = random_batch(8, seed=11, system=20)
     group = RayWorkerGroup(cfg, role="actor")
     try:
         assert all(info["autocast"] and info["dtype"] == "torch.bfloat16" for info in group.init_info)

@@ -7,6 +7,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from arpo.trainer.logprobs import (compute_logprobs_and_entropy, entropy_from_logits, left_align,
+                                   shared_prefix_length,
                                    logprobs_from_logits)
 
 VOCAB = 101
@@ -39,7 +40,7 @@ def test_chunked_logits_functions_match_naive(chunk_size):
 def _tiny_model(tie: bool) -> Qwen2ForCausalLM:
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                       tie_word_embeddings=tie)
     return Qwen2ForCausalLM(cfg).float().eval()
 
@@ -266,3 +267,123 @@ def test_bf16_autocast_log_probs_agree_with_fp32():
     assert 0 < err <= 2 * u * max_logit  # > 0: autocast did compute in bf16
     assert float((ent16 - ent32)[valid].abs().max()) <= 2 * u * max_logit
     assert err < float((lp_bf16_head - lp32)[valid].abs().max())
+
+
+def _shared_prefix_batch(system_len: int = 20):
+    """4 rows in verl layout that all begin with the same ``system_len`` tokens (a system prompt), then
+    their own question and response of different lengths."""
+    g = torch.Generator().manual_seed(1)
+    system = torch.randint(3, VOCAB, (system_len,), generator=g).tolist()
+    prompts = [system + torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in (3, 6, 4, 5)]
+    responses = [torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in (9, 4, 7, 2)]
+    p_len, r_len = max(map(len, prompts)), max(map(len, responses))
+    input_ids = torch.zeros(4, p_len + r_len, dtype=torch.long)
+    attn = torch.zeros_like(input_ids)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids[i, p_len - len(p): p_len] = torch.tensor(p)
+        input_ids[i, p_len: p_len + len(r)] = torch.tensor(r)
+        attn[i, p_len - len(p): p_len + len(r)] = 1
+    return input_ids, attn, torch.clamp(torch.cumsum(attn, 1) - 1, min=0), r_len
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_shared_prefix_runs_once_with_the_same_log_probs_and_gradients(checkpointing):
+    model = _tiny_model(True)
+    input_ids, attn, position_ids, r_len = _shared_prefix_batch()
+    ids, _, sources = left_align(input_ids, attn, position_ids, r_len)
+    valid = attn[:, -r_len:].bool()
+    assert shared_prefix_length(ids, sources, valid) == 20
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    weights = torch.linspace(-1, 1, r_len).expand(4, r_len)
+    results, decoder_tokens = [], []
+    hook = model.model.layers[0].register_forward_hook(
+        lambda m, args, out: decoder_tokens.append(args[0].shape[0] * args[0].shape[1]))
+    for share in (False, True):
+        model.zero_grad()
+        decoder_tokens.clear()
+        lp, ent = compute_logprobs_and_entropy(model, input_ids, attn, position_ids, r_len, chunk_size=4,
+                                               calc_entropy=True, share_prefix=share)
+        (lp * weights).sum().add(0.1 * (ent * weights).sum()).backward()
+        results.append((lp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]))
+        if share:  # the prefix once (one row) and each row's rest, in the forward (and once more, replayed)
+            assert decoder_tokens[:2] == [20, 4 * (ids.shape[1] - 20)]
+        else:
+            assert decoder_tokens[0] == 4 * ids.shape[1]
+    hook.remove()
+    assert isinstance(model.lm_head, torch.nn.Linear)
+    assert all(not hasattr(m, "_can_checkpoint_with_cache") or not m._can_checkpoint_with_cache
+               for m in model.modules())
+    (lp0, ent0, g0), (lp1, ent1, g1) = results
+    torch.testing.assert_close(lp1, lp0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent1, ent0, atol=1e-5, rtol=1e-5)
+    for a, (name, _), b in zip(g1, model.named_parameters(), g0):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_shared_prefix_needs_a_common_unscored_start():
+    input_ids, attn, position_ids, r_len = _shared_prefix_batch(system_len=20)
+    ids, _, sources = left_align(input_ids, attn, position_ids, r_len)
+    valid = attn[:, -r_len:].bool()
+    assert shared_prefix_length(ids[:1], sources[:1], valid[:1]) == 0  # one row: nothing to share
+    short_ids, short_sources = ids.clone(), sources.clone()
+    short_ids[2, 10] += 1  # rows part after 10 tokens: below MIN_SHARED_PREFIX
+    assert shared_prefix_length(short_ids, sources, valid) == 0
+    # a scored token inside the common start: the prefix stops at the hidden state that predicts it
+    short_sources[0, 0] = 17
+    assert shared_prefix_length(ids, short_sources, valid) == 17
+
+
+FSDP_SHARED_PREFIX_SCRIPT = r"""
+import sys, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+port, rank = sys.argv[1], int(sys.argv[2])
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + port, rank=rank, world_size=2)
+from tests.trainer.test_logprobs import _tiny_model, _shared_prefix_batch
+from arpo.trainer.logprobs import compute_logprobs_and_entropy
+model, ref = _tiny_model(True), _tiny_model(True)
+model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+model.train()
+for layer in model.model.layers:
+    fully_shard(layer)
+fully_shard(model)
+ids, attn, pos, r = _shared_prefix_batch()
+for step in range(2):  # twice: FSDP2's per-forward backward hooks must reset between steps
+    model.zero_grad()
+    ref.zero_grad()
+    lp, ent = compute_logprobs_and_entropy(model, ids, attn, pos, r, chunk_size=4, calc_entropy=True,
+                                           share_prefix=True)
+    (lp.sum() + 0.1 * ent.sum()).backward()
+    nlp, nent = compute_logprobs_and_entropy(ref, ids, attn, pos, r, chunk_size=4, calc_entropy=True, pack=False)
+    (nlp.sum() + 0.1 * nent.sum()).backward()
+    torch.testing.assert_close(lp, nlp, atol=1e-5, rtol=1e-5)
+    grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():  # both ranks ran the same rows: the average is one process's
+        torch.testing.assert_close(p.grad.full_tensor(), grads[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+dist.destroy_process_group()
+print("FSDP2-SHARED-OK")
+"""
+
+
+@pytest.mark.slow
+def test_shared_prefix_under_two_rank_fsdp2_with_checkpointing():
+    # The prefix pass is a second forward of every FSDP2 module before one backward (two pre/post-backward
+    # intervals per module): the gradients must still be one process's.
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", FSDP_SHARED_PREFIX_SCRIPT, str(port), str(rank)], cwd=root,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for rank in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0 and "FSDP2-SHARED-OK" in out, out[-3000:]

@@ -42,6 +42,16 @@ def test_gradient_checkpointing_key_must_be_a_boolean():
     assert "\n" not in str(err.value)
 
 
+def test_share_prefix_key_must_be_a_boolean():
+    cfg = _cfg()
+    cfg["actor_rollout_ref"]["model"]["share_prefix"] = False
+    validate_actor_config(cfg)
+    cfg["actor_rollout_ref"]["model"]["share_prefix"] = "on"
+    with pytest.raises(ConfigError, match="share_prefix must be true or false") as err:
+        validate_actor_config(cfg)
+    assert "\n" not in str(err.value)
+
+
 def test_cpu_low_precision_is_autocast_and_gpu_is_fsdp_mixed_precision():
     cpu = device_settings("cpu", "bfloat16")
     assert cpu.autocast and not cpu.fsdp_mixed_precision

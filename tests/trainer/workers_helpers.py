@@ -60,12 +60,14 @@ def base_config(model_dir: Path, world: int = 2, **actor_overrides) -> dict:
     }
 
 
-def random_batch(n_rows: int, seed: int, vocab: int = 400, n_per_group: int = 2) -> DataBatch:
-    """Rows of random prompts and responses (model tokens, then tool tokens, then model tokens)."""
+def random_batch(n_rows: int, seed: int, vocab: int = 400, n_per_group: int = 2, system: int = 0) -> DataBatch:
+    """Rows of random prompts and responses (model tokens, then tool tokens, then model tokens); every
+    prompt begins with the same ``system`` tokens (a system prompt)."""
     rng = random.Random(seed)
+    system_ids = [rng.randrange(5, vocab) for _ in range(system)]
     trajs = []
     for i in range(n_rows):
-        prompt = [rng.randrange(5, vocab) for _ in range(rng.randint(3, 9))]
+        prompt = system_ids + [rng.randrange(5, vocab) for _ in range(rng.randint(3, 9))]
         t = Trajectory(group=i // n_per_group, prompt_ids=prompt)
         t.append([rng.randrange(5, vocab) for _ in range(rng.randint(1, 5))], True)
         t.append([rng.randrange(5, vocab) for _ in range(rng.randint(0, 3))], False)
