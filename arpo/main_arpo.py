@@ -100,7 +100,6 @@ def build_trainer(cfg: DictConfig):
                                        t.max_actor_ckpt_to_keep)
     trainer = RayARPOTrainer(cfg, tokenizer, train_loader, val_loader, rollout, actor_wg, ref_wg, engine,
                              reward_manager, tracker, checkpointer)
-    trainer.tools = tools
     return trainer
 
 

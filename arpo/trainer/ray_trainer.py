@@ -64,6 +64,7 @@ class RayARPOTrainer:
         self.checkpointer = checkpointer
         self.global_step = 0
         self.kl_ctrl = core_algos.get_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
+        self.free_cache_engine = bool(cfg.actor_rollout_ref.rollout.get("free_cache_engine", False))
         self._weights_dir = Path(tempfile.mkdtemp(prefix="arpo-weights-", dir=_shm_or_tmp()))
 
     # ---- one step --------------------------------------------------------------------------------------
@@ -118,6 +119,8 @@ class RayARPOTrainer:
             with timer.phase("gen"):
                 batch = self._generate(self._prompt_batch(rows), validation=False)
             metrics.update({k if "/" in k else f"rollout/{k}": v for k, v in batch.meta.get("metrics", {}).items()})
+            if self.free_cache_engine:  # verl: the engine gives its GPU memory back while the actor trains
+                _run(self.engine.sleep())
             batch.meta["max_response_length"] = cfg.data.max_response_length
             batch.meta["max_prompt_length"] = cfg.data.max_prompt_length
             with timer.phase("reward"):
@@ -149,7 +152,6 @@ class RayARPOTrainer:
                 metrics.update(self.push_weights())
         metrics.update(compute_data_metrics(batch))
         metrics.update(timer.metrics(int(batch.tensors["attention_mask"].sum())))
-        self.last_batch = batch
         return metrics
 
     def push_weights(self) -> dict[str, float]:
@@ -163,6 +165,8 @@ class RayARPOTrainer:
         shutil.rmtree(self._weights_dir, ignore_errors=True)
         self._weights_dir.mkdir(parents=True)
         self.actor_wg.save_weights_for_engine(str(self._weights_dir))
+        if self.free_cache_engine:  # awake before the reload: sleep level 2 discarded the weights
+            _run(self.engine.wake_up())
         _run(self.engine.update_weights(str(self._weights_dir)))
         probe = self.train_data.dataset[0]["raw_prompt_ids"]
         out = _run(self.engine.generate(list(probe), SamplingParams(max_tokens=1, temperature=0.0, logprobs=5),

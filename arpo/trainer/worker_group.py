@@ -213,16 +213,3 @@ class RayWorkerGroup:
                 ray.kill(w)
             self.workers = []
 
-
-def colocated_placement_group(world_size: int, cpus_per_rank: float, gpus_per_rank: float = 0):
-    """One bundle per rank ({CPU, GPU}); groups created with it (and fractional resources) share each
-    rank's bundle, e.g. actor and ref of rank r on the same GPU. Waits until the bundles are reserved."""
-    import ray
-    from ray.util.placement_group import placement_group
-
-    bundle: dict[str, float] = {"CPU": cpus_per_rank}
-    if gpus_per_rank:
-        bundle["GPU"] = gpus_per_rank
-    pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
-    ray.get(pg.ready())
-    return pg

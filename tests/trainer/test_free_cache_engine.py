@@ -1,0 +1,35 @@
+"""actor_rollout_ref.rollout.free_cache_engine: the engine sleeps while the actor trains and is woken before the
+weight push (verl's order), so a level-2 sleep that discarded the weights gets the new ones."""
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from arpo.engine.fake import ScriptedEngine
+from arpo.trainer.ray_trainer import RayARPOTrainer
+
+
+def _trainer(engine, free: bool, tmp_path):
+    # push_weights needs only these parts; the rest of the trainer is exercised end to end in test_main_arpo
+    trainer = RayARPOTrainer.__new__(RayARPOTrainer)
+    trainer.engine, trainer.free_cache_engine, trainer.global_step = engine, free, 0
+    trainer._weights_dir = tmp_path / "weights"
+    trainer.actor_wg = SimpleNamespace(save_weights_for_engine=lambda path: None)
+    trainer.train_data = SimpleNamespace(dataset=[{"raw_prompt_ids": [5, 6, 7]}])
+    return trainer
+
+
+def test_weight_push_wakes_the_sleeping_engine_first(tmp_path):
+    engine = ScriptedEngine()
+    asyncio.run(engine.sleep())
+    metrics = _trainer(engine, True, tmp_path).push_weights()
+    assert not engine.asleep and engine.weight_version == 1
+    assert "rollout/weight_sync_probe" in metrics  # the probe generated after the reload
+
+
+def test_without_free_cache_engine_the_trainer_never_wakes_the_engine(tmp_path):
+    engine = ScriptedEngine()
+    asyncio.run(engine.sleep())
+    with pytest.raises(RuntimeError, match="asleep"):
+        _trainer(engine, False, tmp_path).push_weights()
