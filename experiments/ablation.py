@@ -61,7 +61,7 @@ from tqdm import tqdm
 from arpo import analysis
 from arpo.config import ConfigError
 from arpo.pipeline import Preset, overrides_for_stage, stage_paths
-from arpo.tables import write_training_tables
+from arpo.evaluation.tables import write_training_tables
 
 REPO = Path(__file__).resolve().parents[1]
 logger = logging.getLogger("arpo.ablation")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from arpo.config import ConfigError, load_config
-from arpo.eval import evaluate, load_items, main
+from arpo.evaluation.evaluate import evaluate, load_items, main
 from arpo.evaluation.prompts import system_prompt
 from arpo.evaluation.records import SampleWriter
 from reward_fns.registry import build_compute_score

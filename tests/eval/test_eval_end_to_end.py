@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from arpo.evaluation.records import load_samples, samples_path, sample_key
-from arpo.tables import make_tables
+from arpo.evaluation.tables import make_tables
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from arpo.tables import main as tables_main
-from arpo.tables import make_tables
+from arpo.evaluation.tables import main as tables_main
+from arpo.evaluation.tables import make_tables
 from tests.eval.helpers import write_run
 
 
@@ -137,7 +137,7 @@ def test_training_table_mean_std_and_welch_p(tmp_path):
     from scipy import stats
 
     from arpo.analysis import seed_summaries
-    from arpo.tables import write_training_tables
+    from arpo.evaluation.tables import write_training_tables
 
     root = tmp_path / "runs"
     base, arpo = [0.1, 0.2, 0.3], [0.4, 0.6, 0.65]

@@ -1,0 +1,462 @@
+"""Paper-style result tables from evaluation runs: ``python -m arpo.tables --runs <dirs or globs> --out <dir>``.
+
+Reads every evaluation run directory given (a folder with ``run.json`` and ``samples/``, as
+``python -m arpo.eval`` writes; a folder above such run folders is searched), recomputes each run's
+per-benchmark summary from its per-sample JSONL (so a table never reflects a stale summary), and writes:
+
+- ``table1.{md,tex,csv}`` — ARPO's Table 1: math (AIME24, AIME25, MATH500, GSM8K, MATH) and knowledge
+  (HotpotQA, 2Wiki, MuSiQue, Bamboogle) with the average of each group and of all ten;
+- ``table2.{md,tex,csv}`` — Table 2: deep search (GAIA, HLE, WebWalker, xbench) with their average, and
+  GAIA per level (Level 1-3, from the rows' ``Level``) before its overall column;
+- ``other.{md,tex,csv}`` — every other benchmark found (e.g. the synthetic one), when there is any;
+- ``values.csv`` — one row per (method, seed, benchmark): the number that went into the tables, the
+  per-run values it is the mean of, question and sample counts, and the samples file it came from.
+
+``python -m arpo.tables --training-runs <dir> --out <dir> [--baseline NAME]`` makes the ablation table of
+training runs instead (``<dir>/<variant>/seed<K>/metrics.jsonl``, as ``experiments/ablation.py`` writes):
+``table.md`` with mean ± std over seeds of final validation accuracy and reward, tool calls per trajectory,
+tokens generated and wall time, Welch's t-test p-values against the baseline, and ``runs.csv``.
+
+A cell is the mean ± std over seeds (std: ddof=1; a single seed shows the mean only) of each seed's
+value, which is the mean over that seed's runs of the per-run mean of ``--metric`` (default ``acc``:
+math equivalence, QA F1), in percent. An average is computed per seed over the group's benchmarks and
+only when the seed has all of them, so a partial average never sits next to a full one; ``Tools/q``
+is the average number of executed tool calls per question over the table's benchmarks that the method
+has. Missing cells show "–" (LaTeX: "--").
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import json
+import logging
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from arpo.evaluation.metrics import mean_std, summarise_benchmark
+from arpo.evaluation.records import SAMPLES_DIR, load_run_samples, samples_path
+
+logger = logging.getLogger(__name__)
+
+DISPLAY = {
+    "aime24": "AIME24", "aime25": "AIME25", "math500": "MATH500", "gsm8k": "GSM8K", "math": "MATH",
+    "hotpotqa": "HotpotQA", "2wiki": "2Wiki", "musique": "MuSiQue", "bamboogle": "Bamboogle",
+    "gaia": "GAIA", "hle": "HLE", "webwalker": "WebWalker", "xbench": "xbench", "simpleqa": "SimpleQA",
+    "synthetic": "Synthetic",
+}
+MISSING = "–"
+
+
+@dataclass
+class TableSpec:
+    """A table: named groups of benchmarks, each group followed by its average, then the overall one."""
+
+    name: str
+    title: str
+    groups: list[tuple[str, list[str]]]
+    overall: str | None = None
+    #: benchmarks also shown per level (GAIA's Level 1-3), as columns before the benchmark's own
+    levels: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def benchmarks(self) -> list[str]:
+        return [b for _, bs in self.groups for b in bs]
+
+
+TABLE1 = TableSpec("table1", "Table 1: mathematical and knowledge-intensive reasoning", [
+    ("Math", ["aime24", "aime25", "math500", "gsm8k", "math"]),
+    ("Knowledge", ["hotpotqa", "2wiki", "musique", "bamboogle"]),
+], overall="Avg.")
+TABLE2 = TableSpec("table2", "Table 2: deep search", [("Deep search", ["gaia", "hle", "webwalker", "xbench"])],
+                   levels={"gaia": ["1", "2", "3"]})
+
+
+def level_key(benchmark: str, level: Any) -> str:
+    """Summary key of one level of a benchmark (records with ``meta.level``), e.g. ``gaia@L2``."""
+    return f"{benchmark}@L{level}"
+
+
+@dataclass
+class RunResult:
+    """One evaluation run directory (one method, one seed), summarised per benchmark."""
+
+    method: str
+    seed: int
+    run_dir: Path
+    summaries: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def find_run_dirs(patterns: Sequence[str]) -> list[Path]:
+    """Run directories named by ``patterns`` (paths or globs); folders above run folders are searched."""
+    found: list[Path] = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern)) or ([pattern] if Path(pattern).exists() else [])
+        if not matches:
+            raise FileNotFoundError(f"--runs {pattern}: matches nothing")
+        for m in matches:
+            p = Path(m)
+            if (p / "run.json").is_file():
+                found.append(p)
+            elif p.is_dir():
+                found.extend(sorted(r.parent for r in p.rglob("run.json")))
+    unique = list(dict.fromkeys(p.resolve() for p in found))
+    if not unique:
+        raise FileNotFoundError(f"--runs {' '.join(patterns)}: no evaluation run directories (folders with "
+                                f"run.json and {SAMPLES_DIR}/) found")
+    return unique
+
+
+def load_run(run_dir: Path) -> RunResult:
+    meta = json.loads((run_dir / "run.json").read_text())
+    result = RunResult(str(meta["method"]), int(meta["seed"]), run_dir)
+    threshold = float(meta.get("pass_threshold", 1.0))
+    for bench, records in load_run_samples(run_dir).items():
+        if records:
+            result.summaries[bench.lower()] = summarise_benchmark(records, threshold)
+        by_level: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for r in records:
+            if (r.get("meta") or {}).get("level") is not None:
+                by_level[str(r["meta"]["level"])].append(r)
+        for level, level_records in by_level.items():
+            result.summaries[level_key(bench.lower(), level)] = summarise_benchmark(level_records, threshold)
+    return result
+
+
+def load_runs(run_dirs: Sequence[Path]) -> list[RunResult]:
+    runs = [load_run(d) for d in run_dirs]
+    seen: dict[tuple[str, int], Path] = {}
+    for r in runs:
+        key = (r.method, r.seed)
+        if key in seen:
+            raise ValueError(f"two runs for method {r.method!r} seed {r.seed}: {seen[key]} and {r.run_dir}; "
+                             f"give one (or tag them with different eval.method/eval.seed)")
+        seen[key] = r.run_dir
+    return runs
+
+
+def seed_value(summary: dict[str, Any], metric: str) -> tuple[float | None, list[float]]:
+    """The value of one run for ``metric`` (mean over its runs) and the per-run values behind it."""
+    if metric.startswith("pass@"):
+        value = summary["pass@k"].get(metric[len("pass@"):])
+        return value, ([value] if value is not None else [])
+    if metric not in summary:
+        raise ValueError(f"--metric {metric}: unknown; use acc, f1, em, score, format_ok or pass@<k>")
+    return summary[metric]["mean"], list(summary[metric]["per_run"])
+
+
+@dataclass
+class Cell:
+    """Values of one (method, column) over seeds."""
+
+    values: list[float]
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return mean_std(self.values)
+
+
+def build_cells(runs: list[RunResult], spec: TableSpec, metric: str) -> dict[str, dict[str, Cell]]:
+    """method -> column -> cell, for the spec's benchmarks, group averages, overall average and Tools/q."""
+    by_method: dict[str, list[RunResult]] = defaultdict(list)
+    for r in runs:
+        by_method[r.method].append(r)
+    table: dict[str, dict[str, Cell]] = {}
+    for method, method_runs in by_method.items():
+        cols: dict[str, list[float]] = defaultdict(list)
+        for run in sorted(method_runs, key=lambda r: r.seed):
+            per_bench = {b: seed_value(run.summaries[b], metric)[0] for b in spec.benchmarks if b in run.summaries}
+            per_bench = {b: v for b, v in per_bench.items() if v is not None}
+            for b, v in per_bench.items():
+                cols[b].append(v)
+            for b, levels in spec.levels.items():
+                for level in levels:
+                    key = level_key(b, level)
+                    value = seed_value(run.summaries[key], metric)[0] if key in run.summaries else None
+                    if value is not None:
+                        cols[key].append(value)
+            for group, benches in spec.groups:
+                if _has_group_avg(spec, benches):
+                    if all(b in per_bench for b in benches):
+                        cols[_avg_col(group)].append(sum(per_bench[b] for b in benches) / len(benches))
+            if spec.overall and all(b in per_bench for b in spec.benchmarks):
+                cols[spec.overall].append(sum(per_bench.values()) / len(per_bench))
+            tools = [run.summaries[b]["tool_calls_total"]["mean"] for b in spec.benchmarks if b in run.summaries]
+            if tools:
+                cols["Tools/q"].append(sum(tools) / len(tools))
+        if any(b in r.summaries for r in method_runs for b in spec.benchmarks):
+            table[method] = {c: Cell(v) for c, v in cols.items()}
+    return table
+
+
+def _avg_col(group: str) -> str:
+    return f"{group} avg."
+
+
+def _has_group_avg(spec: TableSpec, benches: list[str]) -> bool:
+    # a group's own average unless the overall one says the same; never for a single benchmark
+    return len(benches) > 1 and (len(spec.groups) > 1 or spec.overall is None)
+
+
+def columns(spec: TableSpec) -> list[tuple[str, str]]:
+    """(key, header) pairs in display order."""
+    cols: list[tuple[str, str]] = []
+    for group, benches in spec.groups:
+        for b in benches:
+            name = DISPLAY.get(b, b)
+            cols.extend((level_key(b, level), f"{name} L{level}") for level in spec.levels.get(b, []))
+            cols.append((b, name))
+        if _has_group_avg(spec, benches):
+            cols.append((_avg_col(group), _avg_col(group)))
+    if spec.overall:
+        cols.append((spec.overall, spec.overall))
+    cols.append(("Tools/q", "Tools/q"))
+    return cols
+
+
+def fmt(cell: Cell | None, scale: float, digits: int, pm: str = " ± ", missing: str = MISSING) -> str:
+    if cell is None or not cell.values:
+        return missing
+    s = cell.stats
+    text = f"{s['mean'] * scale:.{digits}f}"
+    if s["std"] is not None:
+        text += f"{pm}{s['std'] * scale:.{digits}f}"
+    return text
+
+
+def _scale_for(col: str, scale: float) -> float:
+    return 1.0 if col == "Tools/q" else scale
+
+
+def to_markdown(spec: TableSpec, cells: dict[str, dict[str, Cell]], methods: list[str], scale: float,
+                digits: int, note: str) -> str:
+    cols = columns(spec)
+    lines = [f"**{spec.title}**", "", "| Method | " + " | ".join(h for _, h in cols) + " |",
+             "|---|" + "|".join("---:" for _ in cols) + "|"]
+    for m in methods:
+        row = [fmt(cells[m].get(k), _scale_for(k, scale), digits if k != "Tools/q" else 2) for k, _ in cols]
+        lines.append(f"| {m} | " + " | ".join(row) + " |")
+    return "\n".join(lines + ["", note, ""])
+
+
+def _tex_escape(s: str) -> str:
+    return s.replace("\\", "\\textbackslash{}").replace("&", "\\&").replace("%", "\\%").replace("_", "\\_") \
+        .replace("#", "\\#")
+
+
+def to_latex(spec: TableSpec, cells: dict[str, dict[str, Cell]], methods: list[str], scale: float,
+             digits: int, note: str) -> str:
+    cols = columns(spec)
+    head = " & ".join(_tex_escape(h) for _, h in cols)
+    lines = [
+        "% " + note,
+        "\\begin{table}[t]", "\\centering", "\\small",
+        f"\\caption{{{_tex_escape(spec.title)}}}",
+        f"\\label{{tab:{spec.name}}}",
+        "\\begin{tabular}{l" + "c" * len(cols) + "}", "\\toprule",
+        f"Method & {head} \\\\", "\\midrule",
+    ]
+    for m in methods:
+        row = [fmt(cells[m].get(k), _scale_for(k, scale), digits if k != "Tools/q" else 2, pm=" $\\pm$ ",
+                   missing="--") for k, _ in cols]
+        lines.append(f"{_tex_escape(m)} & " + " & ".join(row) + " \\\\")
+    lines += ["\\bottomrule", "\\end{tabular}", "\\end{table}", ""]
+    return "\n".join(lines)
+
+
+def to_csv_rows(spec: TableSpec, cells: dict[str, dict[str, Cell]], methods: list[str],
+                scale: float) -> list[dict[str, Any]]:
+    rows = []
+    for m in methods:
+        row: dict[str, Any] = {"method": m}
+        for k, h in columns(spec):
+            c = cells[m].get(k)
+            s = c.stats if c is not None and c.values else {"mean": None, "std": None, "n": 0}
+            sc = _scale_for(k, scale)
+            row[f"{h} mean"] = "" if s["mean"] is None else round(s["mean"] * sc, 6)
+            row[f"{h} std"] = "" if s["std"] is None else round(s["std"] * sc, 6)
+            row[f"{h} seeds"] = s["n"]
+        rows.append(row)
+    return rows
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with path.open("w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def value_rows(runs: list[RunResult], metric: str) -> list[dict[str, Any]]:
+    rows = []
+    for r in sorted(runs, key=lambda r: (r.method, r.seed)):
+        for key in sorted(r.summaries):
+            s = r.summaries[key]
+            bench = key.split("@", 1)[0]
+            value, per_run = seed_value(s, metric)
+            rows.append({
+                "method": r.method, "seed": r.seed, "benchmark": key, "metric": metric,
+                "value": "" if value is None else value,
+                "per_run_values": ";".join(f"{v:.6g}" for v in per_run),
+                "std_over_runs": s[metric]["std"] if metric in s and s[metric]["std"] is not None else "",
+                "num_runs": s["num_runs"], "num_questions": s["num_questions"], "num_samples": s["num_samples"],
+                "tool_calls_per_question": s["tool_calls_total"]["mean"],
+                "search_per_question": s["tool_calls_search"]["mean"],
+                "python_per_question": s["tool_calls_python"]["mean"],
+                "samples_file": str(samples_path(r.run_dir, bench)),
+            })
+    return rows
+
+
+def other_spec(runs: list[RunResult]) -> TableSpec | None:
+    known = set(TABLE1.benchmarks) | set(TABLE2.benchmarks)
+    rest = sorted({b for r in runs for b in r.summaries if "@" not in b} - known)
+    return TableSpec("other", "Other benchmarks", [("Other", rest)]) if rest else None
+
+
+def make_tables(run_patterns: Sequence[str], out_dir: str | Path, metric: str = "acc", digits: int = 1,
+                methods: Sequence[str] | None = None) -> dict[str, Path]:
+    """Write every table and values.csv under ``out_dir``; return the paths written."""
+    runs = load_runs(find_run_dirs(run_patterns))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    order = list(methods) if methods else sorted({r.method for r in runs})
+    unknown = [m for m in order if m not in {r.method for r in runs}]
+    if unknown:
+        raise ValueError(f"--methods: no runs for {unknown}; found {sorted({r.method for r in runs})}")
+    scale = 1.0 if metric in ("score",) else 100.0
+    seeds = sorted({r.seed for r in runs})
+    note = (f"{metric} in percent; mean ± std over seeds (ddof=1, one seed: mean only) of the mean over runs; "
+            f"Tools/q: executed tool calls per question; {MISSING}: no result. Runs: {len(runs)}, seeds {seeds}.")
+    written: dict[str, Path] = {}
+    for spec in [TABLE1, TABLE2, other_spec(runs)]:
+        if spec is None:
+            continue
+        cells = build_cells(runs, spec, metric)
+        rows_methods = [m for m in order if m in cells]
+        if not rows_methods:
+            rows_methods = list(order)
+            cells = {m: {} for m in order}
+        for ext, text in (("md", to_markdown(spec, cells, rows_methods, scale, digits, note)),
+                          ("tex", to_latex(spec, cells, rows_methods, scale, digits, note))):
+            path = out / f"{spec.name}.{ext}"
+            path.write_text(text, encoding="utf-8")
+            written[f"{spec.name}.{ext}"] = path
+        path = out / f"{spec.name}.csv"
+        _write_csv(path, to_csv_rows(spec, cells, rows_methods, scale))
+        written[f"{spec.name}.csv"] = path
+    path = out / "values.csv"
+    _write_csv(path, value_rows(runs, metric) or [{"method": ""}])
+    written["values.csv"] = path
+    return written
+
+
+# ---- training runs (ablations) ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrainingColumn:
+    """One column of an ablation table: a key of :func:`arpo.analysis.run_summary` (or the driver's record)."""
+
+    key: str
+    header: str
+    scale: float = 1.0
+    digits: int = 3
+    #: add Welch's t-test p-value against the baseline after the column
+    test: bool = False
+
+
+TRAINING_COLUMNS = (
+    TrainingColumn("val_acc", "Val acc (%)", 100.0, 1, test=True),
+    TrainingColumn("val_reward", "Val reward", 1.0, 3, test=True),
+    TrainingColumn("train_score", "Train score (last step)", 1.0, 3),
+    TrainingColumn("tool_calls_per_traj", "Tool calls / traj", 1.0, 2),
+    TrainingColumn("tokens_generated", "Tokens generated", 1.0, 0),
+    TrainingColumn("wall_s", "Wall (s)", 1.0, 0),
+)
+
+
+def training_table(summaries: dict[str, list[dict[str, float]]], baseline: str | None = None,
+                   note: str = "") -> str:
+    """Markdown: one row per variant, mean ± std over seeds of each column (NaN values, i.e. metrics a run did
+    not log, left out), and for tested columns Welch's p-value of the variant against ``baseline``."""
+    from arpo.stats import welch_t_test
+
+    heads = ["Variant", "Seeds"]
+    for col in TRAINING_COLUMNS:
+        heads += [col.header] + ([f"p ({col.header})"] if col.test and baseline else [])
+    lines = ["| " + " | ".join(heads) + " |", "|---|" + "|".join("---:" for _ in heads[1:]) + "|"]
+    base = summaries.get(baseline, []) if baseline else []
+    for variant, runs in summaries.items():
+        row = [variant + (" (baseline)" if variant == baseline else ""), str(len(runs))]
+        for col in TRAINING_COLUMNS:
+            values = _finite([r.get(col.key, math.nan) for r in runs])
+            row.append(fmt(Cell(values), col.scale, col.digits))
+            if col.test and baseline:
+                p = math.nan if variant == baseline else \
+                    welch_t_test(values, _finite([r.get(col.key, math.nan) for r in base]))
+                row.append("–" if math.isnan(p) else f"{p:.3g}")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines + ["", note, ""] if note else lines + [""])
+
+
+def training_rows(summaries: dict[str, list[dict[str, float]]]) -> list[dict[str, Any]]:
+    """One CSV row per (variant, seed): every number behind the ablation table."""
+    return [{"variant": v, **{k: ("" if isinstance(x, float) and math.isnan(x) else x) for k, x in r.items()}}
+            for v, runs in summaries.items() for r in runs]
+
+
+def write_training_tables(summaries: dict[str, list[dict[str, float]]], out_dir: str | Path,
+                          baseline: str | None = None, header: str = "", note: str = "") -> dict[str, Path]:
+    """``table.md`` (``header`` first, e.g. the command and git SHA) and ``runs.csv`` under ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = out / "table.md"
+    table.write_text((header + "\n\n" if header else "") + training_table(summaries, baseline, note),
+                     encoding="utf-8")
+    rows = out / "runs.csv"
+    _write_csv(rows, training_rows(summaries) or [{"variant": ""}])
+    return {"table.md": table, "runs.csv": rows}
+
+
+def _finite(values: Sequence[float]) -> list[float]:
+    return [float(v) for v in values if v is not None and math.isfinite(float(v))]
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Path]:
+    parser = argparse.ArgumentParser(prog="python -m arpo.tables", description=__doc__.splitlines()[0])
+    runs = parser.add_mutually_exclusive_group(required=True)
+    runs.add_argument("--runs", nargs="+", help="evaluation run dirs, globs, or folders above them")
+    runs.add_argument("--training-runs", help="folder of training runs <variant>/seed<K>/ (an ablation's runs/): "
+                                              "writes table.md and runs.csv")
+    parser.add_argument("--baseline", help="--training-runs: the variant the others are tested against")
+    parser.add_argument("--out", required=True, help="output folder for the tables")
+    parser.add_argument("--metric", default="acc", help="acc (default) | f1 | em | score | format_ok | pass@<k>")
+    parser.add_argument("--digits", type=int, default=1)
+    parser.add_argument("--methods", nargs="*", default=None, help="rows in this order (default: all, sorted)")
+    args = parser.parse_args(argv)
+    if args.training_runs:
+        from arpo.analysis import seed_summaries
+
+        try:
+            written = write_training_tables(seed_summaries(args.training_runs), args.out, args.baseline)
+        except FileNotFoundError as err:
+            raise SystemExit(f"arpo.tables: {err}") from None
+        print(written["table.md"].read_text(encoding="utf-8"))
+        return written
+    try:
+        written = make_tables(args.runs, args.out, args.metric, args.digits, args.methods)
+    except (FileNotFoundError, ValueError) as err:
+        raise SystemExit(f"arpo.tables: {err}") from None
+    for name in ("table1.md", "table2.md", "other.md"):
+        if name in written:
+            print(written[name].read_text(encoding="utf-8"))
+    print("written: " + ", ".join(str(p) for p in written.values()))
+    return written
+
+
+if __name__ == "__main__":
+    main()
