@@ -31,6 +31,10 @@ def validate_config(cfg: DictConfig) -> None:
     r = cfg.actor_rollout_ref.rollout
     if r.mode not in ROLLOUT_MODES:
         raise ConfigError(f"actor_rollout_ref.rollout.mode={r.mode!r}: choose one of {list(ROLLOUT_MODES)}")
+    if r.arpo.mode != "arpo" and r.arpo.mode != r.mode:  # training takes the generator's mode from rollout.mode
+        raise ConfigError(f"actor_rollout_ref.rollout.arpo.mode={r.arpo.mode!r} is ignored in training (the "
+                          f"rollout follows actor_rollout_ref.rollout.mode={r.mode!r}): set "
+                          f"actor_rollout_ref.rollout.mode={r.arpo.mode} instead")
     require_path(cfg.actor_rollout_ref.model.path, "actor_rollout_ref.model.path",
                  "run `python -m arpo.pipeline` (builds the tiny SFT model) or point it at an HF checkpoint",
                  kind="model directory")

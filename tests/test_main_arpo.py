@@ -40,6 +40,7 @@ def _bad(model: Path, data: Path, *overrides: str) -> str:
     (["actor_rollout_ref.rollout.mode=beam"], "actor_rollout_ref.rollout.mode"),
     (["algorithm.advantage_mode=medium"], "advantage_mode"),
     (["ray_init.num_cpus=1"], "ray_init.num_cpus"),
+    (["actor_rollout_ref.rollout.arpo.mode=single"], "set actor_rollout_ref.rollout.mode=single instead"),
 ])
 def test_bad_config_fails_at_start_up_with_one_line(tiny_model_dir, synthetic_dir, overrides, expect):
     line = _bad(tiny_model_dir, synthetic_dir, *overrides)
