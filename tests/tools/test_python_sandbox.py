@@ -458,3 +458,60 @@ def test_closing_its_output_does_not_escape_the_deadline(cfg):
     result = execute("import os, time\nos.close(1)\nos.close(2)\ntime.sleep(60)", config=cfg.replace(timeout_s=2))
     assert result.timed_out and time.monotonic() - start < 2 + 6
     _assert_host_clean()
+
+
+CALLER = r"""
+import sys
+from tools.python_sandbox import SandboxConfig, execute
+cfg = SandboxConfig(isolation=sys.argv[1], uid_base=int(sys.argv[2]), timeout_s=120, cpu_time_s=120)
+execute("while True:\n    pass\n", config=cfg)
+"""
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("mode", [p.values[0] for p in MODES], ids=[p.id for p in MODES])
+def test_nothing_outlives_a_killed_caller(mode):
+    # a trainer SIGKILLed mid-call (OOM killer, a user): its sandboxed program and launcher must die with it
+    chosen, note = resolve_isolation(SandboxConfig(isolation=mode, uid_base=UID_BASE))
+    if chosen != mode:
+        pytest.skip(f"{mode} unusable here: {note}")
+    caller = subprocess.Popen(["python", "-c", CALLER, mode, str(UID_BASE)], cwd=REPO_ROOT,
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    try:
+        deadline = time.monotonic() + 30
+        while not _sandbox_processes() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _sandbox_processes(), "the sandboxed program never started"
+        tree = _descendants(caller.pid)
+        assert tree
+    finally:
+        caller.kill()
+        caller.wait()
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline and (any(_alive(p) for p in tree) or _sandbox_processes()):
+        time.sleep(0.05)
+    assert not [p for p in tree if _alive(p)] and not _sandbox_processes()

@@ -81,7 +81,7 @@ def _warn_once(key: str, message: str) -> None:
 def _probe(mode: str, config: SandboxConfig) -> str | None:
     """Run ``print(6 * 7)`` in ``mode``; return None when it works, else why not."""
     if mode != "none" and not isolation.tool_available(mode):
-        return f"'{'bwrap' if mode == 'bwrap' else 'unshare'}' is not installed"
+        return f"'{'bwrap' if mode == 'bwrap' else 'unshare and setpriv (util-linux)'}' is not installed"
     probe_config = config.replace(timeout_s=max(30.0, config.timeout_s), cpu_time_s=max(10.0, config.cpu_time_s),
                                   memory_mb=max(512, config.memory_mb))
     result = _run_in(mode, "print(6 * 7)", probe_config)
@@ -240,7 +240,7 @@ def _classify_setup_failure(result: SandboxResult, mode: str) -> None:
         return
     lines = result.stderr.strip().splitlines()
     marker = next((line for line in lines if line.startswith(SETUP_FAILED)), None)
-    launcher_prefix = {"bwrap": "bwrap: ", "unshare": "unshare: "}.get(mode)
+    launcher_prefix = {"bwrap": ("bwrap: ",), "unshare": ("setpriv: ", "unshare: ")}.get(mode)
     if marker is not None:
         result.error = f"sandbox setup failed ({mode}): {marker[len(SETUP_FAILED) + 2:]} {' '.join(lines[-3:])}"
     elif (launcher_prefix and result.exit_code == 1 and not result.stdout and lines

@@ -204,7 +204,11 @@ def unshare_command(config: SandboxConfig, uid: int | None) -> list[str]:
     env_args = " ".join(q(f"{k}={v}") for k, v in sandbox_env(config).items())
     inner = " ".join(q(a) for a in bootstrap_args(config, uid, layout, config.workdir))
     lines.append(f"cd / && exec chroot {root} /usr/bin/env -i {env_args} {inner}")
-    return ["unshare", "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
+    # Nothing may outlive the caller: setpriv gives unshare a parent-death SIGKILL (kept across its exec; a
+    # killed caller never gets to kill the session itself), and --kill-child passes it on to the namespace's
+    # init, whose death kills every process of the PID namespace. util-linux ships both tools.
+    return ["setpriv", "--pdeathsig", "KILL", "--",
+            "unshare", "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
             "--propagation", "private", "--", "/bin/sh", "-c", "\n".join(lines)]
 
 
@@ -225,4 +229,5 @@ def unsandboxed_command(config: SandboxConfig, uid: int | None, host_workdir: st
 
 
 def tool_available(mode: str) -> bool:
-    return shutil.which("bwrap" if mode == "bwrap" else "unshare") is not None
+    needed = ("bwrap",) if mode == "bwrap" else ("unshare", "setpriv")
+    return all(shutil.which(tool) is not None for tool in needed)
