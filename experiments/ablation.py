@@ -46,6 +46,7 @@ import math
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -54,7 +55,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from tqdm import tqdm
 
@@ -366,9 +367,14 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, extra
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM (kill, a job scheduler) stops cleanly as Ctrl-C does: no orphaned run
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, extra = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)
     from arpo.logging_utils import setup_logging
 
     setup_logging(args.runs_dir / args.suite / "logs", filename="ablation.log")

@@ -160,3 +160,40 @@ def test_smoke_advantage_suite_writes_results_and_skips_finished_runs(smoke_abla
     changed = _ablation(sft_model_dir, out, runs, "--", "actor_rollout_ref.actor.optim.lr=3e-6")
     assert changed.returncode == 2 and "finished with other overrides" in changed.stderr
     assert "actor_rollout_ref.actor.optim.lr=3e-6" in changed.stderr
+
+
+SIGTERM_SCRIPT = r"""
+import subprocess, sys
+from experiments import ablation
+
+def train(run):  # a training run that would take a minute
+    proc = subprocess.Popen(["sleep", "60"])
+    print(proc.pid, flush=True)
+    ablation._RUNNING.add(proc)
+    try:
+        return proc.wait() == 0
+    finally:
+        ablation._RUNNING.discard(proc)
+
+ablation.train = train
+sys.exit(ablation.main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_stops_the_runs_in_flight_instead_of_orphaning_them(tmp_path):
+    # `kill <ablation pid>` (or a scheduler's SIGTERM) must not leave a training run running on its own
+    model, data = tmp_path / "model", tmp_path / "data"
+    model.mkdir(), data.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_SCRIPT, "--suite", "advantage", "--smoke", "--seeds", "0",
+                             "--model-dir", str(model), "--data-dir", str(data), "--out", str(tmp_path / "out"),
+                             "--runs-dir", str(tmp_path / "runs")], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "TQDM_DISABLE": "1",
+                                                                    "PYTHONPATH": str(REPO_ROOT)})
+    child = int(proc.stdout.readline())
+    proc.terminate()
+    assert proc.wait(timeout=60) == 130
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and Path(f"/proc/{child}").exists():
+        time.sleep(0.05)
+    state = Path(f"/proc/{child}/stat").read_text().split()[2] if Path(f"/proc/{child}").exists() else "gone"
+    assert state in ("gone", "Z")
