@@ -59,7 +59,7 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from arpo import analysis
+from arpo import analysis, stats
 from arpo.config import ConfigError
 from arpo.pipeline import Preset, overrides_for_stage, stage_paths
 from arpo.evaluation.tables import write_training_tables
@@ -228,6 +228,7 @@ def collect(suite: Suite, runs: list[Run], out: Path, header: str, smoke: bool, 
             shutil.copyfile(analysis.metrics_path(run.dir), dest / "metrics.jsonl")
             for name in RUN_FILES:
                 shutil.copyfile(run.dir / name, dest / name)
+            _write_final_correctness(run.dir / "validation", dest / FINAL_CORRECTNESS)
     names = [v.name for v in suite.variants]
     all_summaries = analysis.seed_summaries(out / "runs")
     summaries = {n: all_summaries[n] for n in names if n in all_summaries}
@@ -252,7 +253,8 @@ def collect(suite: Suite, runs: list[Run], out: Path, header: str, smoke: bool, 
               "**Smoke run (2 steps, one seed): checks the pipeline, not a result.**\n" if smoke else "",
               "Variants (same data, steps, seeds and budget M = `actor_rollout_ref.rollout.n`):", "", variants, "",
               "## Results", "", (out / "table.md").read_text().split("\n\n", 1)[-1], "",
-              _gain_section(out / "runs", names), *[f"![{p.stem}]({p.name})\n" for p in figures], branching,
+              _gain_section(out / "runs", names), _vs_baseline_section(out / "runs", names, suite.baseline),
+              *[f"![{p.stem}]({p.name})\n" for p in figures], branching,
               "Per-run metrics: `runs/<variant>/seed<K>/metrics.jsonl`; every number of the table: `runs.csv`. "
               f"Regenerate the table: `python -m arpo.tables --training-runs {_shown(out)}/runs --out {_shown(out)} "
               f"--baseline {suite.baseline}`; explore: `notebooks/arpo_analysis.ipynb`.", ""]
@@ -276,6 +278,58 @@ def _gain_section(runs_dir: Path, names: list[str]) -> str:
             lines.append(f"| {name} | {seed_dir.name[4:]} | {gain['before']:.3f} → {gain['after']:.3f} | "
                          f"{gain['gain']:+.3f} [{gain['low']:+.3f}, {gain['high']:+.3f}] | {gain['n']} | `{sha}` |")
     return "\n".join(lines + [""]) if len(lines) > 3 else ""
+
+
+#: per run in the results: each validation question's accuracy at the last validation ({prompt_index: acc})
+FINAL_CORRECTNESS = "final_validation_acc.json"
+
+
+def _write_final_correctness(validation_dir: Path, dest: Path) -> None:
+    files = sorted(validation_dir.glob("step_*.jsonl"), key=lambda p: int(p.stem[5:]))
+    if not files:
+        return
+    acc = {}
+    with files[-1].open() as fh:
+        for line in fh:
+            row = json.loads(line)
+            acc[str(row["prompt_index"])] = float(row["acc"])
+    dest.write_text(json.dumps(acc))
+
+
+def _vs_baseline_section(runs_dir: Path, names: list[str], baseline: str) -> str:
+    """Each variant against the baseline at the same seed, paired by validation question (the two final
+    models answer the same questions), and over all seeds' question pairs together. The pooled interval
+    counts questions, not seeds: seed-to-seed variation of training is in the per-seed rows and the p-values
+    of the table above."""
+    def load(name: str) -> dict[int, dict[str, float]]:
+        found = {}
+        for seed_dir in (runs_dir / name).glob("seed*"):
+            path = seed_dir / FINAL_CORRECTNESS
+            if path.is_file():
+                found[int(seed_dir.name[4:])] = json.loads(path.read_text())
+        return found
+
+    base = load(baseline)
+    lines = [f"### Against `{baseline}` at the same seed (final validation, paired by question)", "",
+             f"| Variant | Seed | Val acc `{baseline}` → variant | Difference [95% CI] | n |",
+             "|---|---:|---:|---:|---:|"]
+    for name in names:
+        if name == baseline:
+            continue
+        runs, pooled_b, pooled_v = load(name), [], []
+        for seed in sorted(set(runs) & set(base)):
+            keys = sorted(set(runs[seed]) & set(base[seed]))
+            b, v = [base[seed][k] for k in keys], [runs[seed][k] for k in keys]
+            pooled_b += b
+            pooled_v += v
+            g = stats.paired_gain(b, v)
+            lines.append(f"| {name} | {seed} | {g.before:.3f} → {g.after:.3f} | {g.gain:+.3f} "
+                         f"[{g.low:+.3f}, {g.high:+.3f}] | {g.n} |")
+        if len(runs.keys() & base.keys()) > 1:
+            g = stats.paired_gain(pooled_b, pooled_v)
+            lines.append(f"| {name} | all | {g.before:.3f} → {g.after:.3f} | {g.gain:+.3f} "
+                         f"[{g.low:+.3f}, {g.high:+.3f}] | {g.n} |")
+    return "\n".join(lines + [""]) if len(lines) > 4 else ""
 
 
 def _curves(out: Path, names: list[str]):

@@ -143,6 +143,10 @@ def test_smoke_advantage_suite_writes_results_and_skips_finished_runs(smoke_abla
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({png})" in readme
     assert "forks / group" in readme
     assert "Gain over the starting model" in readme and "| grpo | 3 |" in readme  # paired gain per run
+    # each variant against the baseline at the same seed, paired by validation question
+    assert "Against `grpo` at the same seed" in readme and "| arpo_soft | 3 |" in readme
+    correct = json.loads((out / "runs" / "grpo" / "seed3" / ablation.FINAL_CORRECTNESS).read_text())
+    assert len(correct) == 8 and set(correct.values()) <= {0.0, 1.0}  # smoke: 8 validation questions
 
     # a second invocation finds every run finished: nothing is trained or dumped again
     records = {v: (runs / "advantage" / v / "seed3" / "ablation_run.json").read_text() for v in variants}
