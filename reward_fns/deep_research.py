@@ -15,6 +15,9 @@ Same scoring rule as the official code, with two faults fixed (both documented i
 bonus counts tool calls that got a result instead of searching the text for ``</search>``. Math answers
 are still graded by token F1 here, as ARPO does; :mod:`reward_fns.math` grades them by equivalence.
 
+``variant="released"`` (``reward.deep_research_variant``) grades exactly as the released code instead, faults
+included (:mod:`reward_fns.released_reward`), for runs that must match the official training reward.
+
 Importable as a module and loadable by path (``custom_reward_function.path`` pointing at this file),
 so it uses absolute imports only.
 """
@@ -23,11 +26,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from reward_fns import qa
+from reward_fns import qa, released_reward
 from reward_fns.gate import score_with_gate
 
 #: ARPO's bonus for a correct answer reached with both tools.
 MULTI_TOOL_BONUS = 0.1
+#: ``fixed``: this module's rule (the released one with its format and bonus faults fixed) | ``released``: as released
+VARIANTS = ("fixed", "released")
 
 
 def compute_score(
@@ -36,8 +41,13 @@ def compute_score(
     ground_truth: Any,
     extra_info: dict[str, Any] | None = None,
     tool_bonus: float = MULTI_TOOL_BONUS,
+    variant: str = "fixed",
 ) -> dict[str, Any]:
     """ARPO's reward for one response; returns ``score`` plus diagnostics (see :data:`gate.RESULT_KEYS`)."""
+    if variant == "released":
+        return released_reward.compute_score(data_source, solution_str, ground_truth, extra_info, tool_bonus)
+    if variant != "fixed":
+        raise ValueError(f"deep_research variant must be one of {VARIANTS}, got {variant!r}")
     answers = qa.as_answer_list(ground_truth)
     return score_with_gate(
         solution_str,

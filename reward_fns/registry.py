@@ -197,7 +197,8 @@ def build_compute_score(config: Mapping[str, Any] | Any | None = None) -> Reward
     """The compute_score a run uses: the custom function if configured, else a configured registry copy.
 
     Options read from ``config.reward`` (see ``configs/reward.yaml``): ``math_mode`` (equiv|f1),
-    ``math_timeout_s``, ``qa_metric`` (f1|em), ``deep_research_tool_bonus``.
+    ``math_timeout_s``, ``qa_metric`` (f1|em), ``deep_research_tool_bonus``, ``deep_research_variant``
+    (fixed|released).
     """
     custom = load_custom_reward_fn(config) if config is not None else None
     if custom is not None:
@@ -219,6 +220,12 @@ def build_compute_score(config: Mapping[str, Any] | Any | None = None) -> Reward
         reg.configure("qa", metric=qa_metric)
     if config_value(options, "deep_research_tool_bonus") is not None:
         reg.configure("deep_research", tool_bonus=float(config_value(options, "deep_research_tool_bonus")))
+    variant = config_value(options, "deep_research_variant")
+    if variant is not None:
+        from reward_fns.deep_research import VARIANTS
+        if variant not in VARIANTS:
+            raise ValueError(f"reward.deep_research_variant must be one of {VARIANTS}, got {variant!r}")
+        reg.configure("deep_research", variant=str(variant))
     return reg
 
 

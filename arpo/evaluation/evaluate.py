@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from arpo.config import REPO_ROOT, ConfigError, load_config
 from arpo.evaluation.benchmarks import (EvalItem, encode_prompt, load_jsonl_benchmark, load_parquet_benchmark,
                                         parquet_benchmark_name)
-from arpo.evaluation.metrics import summarise_benchmark
+from arpo.evaluation.metrics import PROFILES, summarise_benchmark
 from arpo.evaluation.prompts import PROMPT_TYPES, system_prompt
 from arpo.evaluation.records import load_run_samples, load_samples, sample_key, samples_path
 
@@ -69,6 +69,8 @@ def _check_settings(cfg: DictConfig) -> None:
     for key in ("max_python_calls", "max_search_calls", "max_total_calls"):
         if int(e[key]) < 0:
             raise ConfigError(f"eval.{key}={e[key]}: must be >= 0")
+    if e.metric_profile not in PROFILES:
+        raise ConfigError(f"eval.metric_profile={e.metric_profile!r}: choose one of {list(PROFILES)}")
     if e.max_samples is not None and int(e.max_samples) < 1:
         raise ConfigError(f"eval.max_samples={e.max_samples}: must be >= 1 or null (all questions)")
     if not list(e.benchmarks) and not list(e.parquet_files):
@@ -140,7 +142,8 @@ def _fingerprint(cfg: DictConfig) -> dict[str, Any]:
                         "refuse_repeated_search": bool(cfg.eval.refuse_repeated_search)},
         "tools": OmegaConf.to_container(cfg.tools),
         "reward": {"custom_reward_function": OmegaConf.to_container(cfg.custom_reward_function),
-                   **{k: cfg.reward[k] for k in ("math_mode", "qa_metric", "deep_research_tool_bonus")}},
+                   **{k: cfg.reward[k] for k in ("math_mode", "qa_metric", "deep_research_tool_bonus",
+                                                          "deep_research_variant")}},
         "require_format": bool(cfg.eval.require_format),
     }
 
@@ -148,7 +151,8 @@ def _fingerprint(cfg: DictConfig) -> dict[str, Any]:
 def _prepare_run_dir(run_dir: Path, cfg: DictConfig) -> dict[str, Any]:
     """Write run.json, or check that an existing one was made with the same settings."""
     meta = {**_fingerprint(cfg), "prompt_type": cfg.eval.prompt_type, "math_prompt_type": cfg.eval.math_prompt_type,
-            "num_runs": int(cfg.eval.num_runs), "pass_threshold": float(cfg.eval.pass_threshold)}
+            "num_runs": int(cfg.eval.num_runs), "pass_threshold": float(cfg.eval.pass_threshold),
+            "metric_profile": str(cfg.eval.metric_profile)}
     path = run_dir / RUN_FILE
     if path.exists():
         old = json.loads(path.read_text())
@@ -183,14 +187,19 @@ def _finished_keys(run_dir: Path, items: Sequence[EvalItem]) -> set[tuple[str, i
 def write_summary(run_dir: Path, meta: dict[str, Any], expected: dict[str, int] | None = None) -> dict[str, Any]:
     """Summarise every samples file of ``run_dir`` into summary.json (``expected``: benchmark -> questions)."""
     expected = expected or {}
+    profile = str(meta.get("metric_profile", "strict"))
     benchmarks = {}
     for bench, records in load_run_samples(run_dir).items():
         n_q = expected.get(bench)
-        benchmarks[bench] = summarise_benchmark(records, float(meta.get("pass_threshold", 1.0)),
-                                                expected_questions=n_q,
-                                                expected_runs=int(meta["num_runs"]) if n_q is not None else None)
+        threshold = float(meta.get("pass_threshold", 1.0))
+        benchmarks[bench] = summarise_benchmark(records, threshold, expected_questions=n_q,
+                                                expected_runs=int(meta["num_runs"]) if n_q is not None else None,
+                                                profile=profile)
+        # the headline accuracy under every profile, so the metric's effect is visible in the summary
+        benchmarks[bench]["acc_by_profile"] = {
+            p: summarise_benchmark(records, threshold, profile=p)["acc"] for p in PROFILES}
     summary = {"method": meta["method"], "seed": meta["seed"], "model_path": meta["model_path"],
-               "num_runs": meta["num_runs"], "benchmarks": benchmarks}
+               "num_runs": meta["num_runs"], "metric_profile": profile, "benchmarks": benchmarks}
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     return summary
 
@@ -299,7 +308,8 @@ def _generate(cfg: DictConfig, rollout_config: Any, grader: Any, run_dir: Path, 
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
-    print(f"method={summary['method']} seed={summary['seed']} runs={summary['num_runs']}")
+    print(f"method={summary['method']} seed={summary['seed']} runs={summary['num_runs']} "
+          f"metric_profile={summary['metric_profile']}")
     for bench, s in summary["benchmarks"].items():
         acc, tools = s["acc"], s["tool_calls_total"]
         std = f" ± {100 * acc['std']:.1f}" if acc["std"] is not None else ""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from arpo.evaluation.benchmarks import EvalItem
+from arpo.evaluation.metrics import arpo_metrics, released_task
 from arpo.evaluation.records import SampleWriter
 from arpo.evaluation.tool_limits import TrajectoryToolLimits
 from arpo.protocol import extract_answer
@@ -138,6 +139,7 @@ class EvalRunner:
             "prompt": self.tokenizer.decode(spec.prompt_ids, skip_special_tokens=False),
             "response": response,
             "answer": graded.get("answer", extract_answer(response) or ""),
+            "task": released_task(item.data_source),
             "metrics": metrics,
             "format_reason": graded.get("format_reason"),
             "tool_calls": {"total": sum(executed.values()), "search": executed.get("search", 0),
@@ -147,6 +149,7 @@ class EvalRunner:
             "response_tokens": valid, "model_tokens": model_tokens,
             "time_s": round(elapsed, 3), "session": self.session,
         }
+        record["metrics_arpo"] = arpo_metrics(record)
         if "error" in graded:
             record["reward_error"] = graded["error"]
         if item.meta:

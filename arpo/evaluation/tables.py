@@ -10,7 +10,11 @@ per-benchmark summary from its per-sample JSONL (so a table never reflects a sta
   GAIA per level (Level 1-3, from the rows' ``Level``) before its overall column;
 - ``other.{md,tex,csv}`` — every other benchmark found (e.g. the synthetic one), when there is any;
 - ``values.csv`` — one row per (method, seed, benchmark): the number that went into the tables, the
-  per-run values it is the mean of, question and sample counts, and the samples file it came from.
+  per-run values it is the mean of, question and sample counts, and the samples file it came from;
+- ``profiles.{md,csv}`` — every benchmark's accuracy under both metric profiles side by side, with the
+  difference: ``arpo`` (the released ARPO evaluation's metrics, what the paper's tables used) and ``strict``
+  (ours: math-verify, SQuAD F1). The tables themselves use ``--profile`` (default ``arpo``), named in their
+  footer.
 
 ``python -m arpo.tables --training-runs <dir> --out <dir> [--baseline NAME]`` makes the ablation table of
 training runs instead (``<dir>/<variant>/seed<K>/metrics.jsonl``, as ``experiments/ablation.py`` writes):
@@ -38,7 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from arpo.evaluation.metrics import mean_std, summarise_benchmark
+from arpo.evaluation.metrics import (PROFILE_METRICS, PROFILE_NOTES, PROFILES, check_profile, mean_std,
+                                     summarise_benchmark)
 from arpo.evaluation.records import SAMPLES_DIR, load_run_samples, samples_path
 
 logger = logging.getLogger(__name__)
@@ -88,7 +93,11 @@ class RunResult:
     method: str
     seed: int
     run_dir: Path
+    #: benchmark (and ``bench@L<level>``) -> summary under the chosen metric profile
     summaries: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: benchmark -> profile -> headline accuracy (mean over runs), for the profile comparison
+    acc_by_profile: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    num_samples: dict[str, int] = field(default_factory=dict)
 
 
 def find_run_dirs(patterns: Sequence[str]) -> list[Path]:
@@ -111,24 +120,28 @@ def find_run_dirs(patterns: Sequence[str]) -> list[Path]:
     return unique
 
 
-def load_run(run_dir: Path) -> RunResult:
+def load_run(run_dir: Path, profile: str = "arpo") -> RunResult:
     meta = json.loads((run_dir / "run.json").read_text())
     result = RunResult(str(meta["method"]), int(meta["seed"]), run_dir)
     threshold = float(meta.get("pass_threshold", 1.0))
     for bench, records in load_run_samples(run_dir).items():
         if records:
-            result.summaries[bench.lower()] = summarise_benchmark(records, threshold)
+            result.summaries[bench.lower()] = summarise_benchmark(records, threshold, profile=profile)
+            result.acc_by_profile[bench.lower()] = {
+                p: summarise_benchmark(records, threshold, profile=p)["acc"]["mean"] for p in PROFILES}
+            result.num_samples[bench.lower()] = len(records)
         by_level: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for r in records:
             if (r.get("meta") or {}).get("level") is not None:
                 by_level[str(r["meta"]["level"])].append(r)
         for level, level_records in by_level.items():
-            result.summaries[level_key(bench.lower(), level)] = summarise_benchmark(level_records, threshold)
+            result.summaries[level_key(bench.lower(), level)] = summarise_benchmark(level_records, threshold,
+                                                                                    profile=profile)
     return result
 
 
-def load_runs(run_dirs: Sequence[Path]) -> list[RunResult]:
-    runs = [load_run(d) for d in run_dirs]
+def load_runs(run_dirs: Sequence[Path], profile: str = "arpo") -> list[RunResult]:
+    runs = [load_run(d, profile) for d in run_dirs]
     seen: dict[tuple[str, int], Path] = {}
     for r in runs:
         key = (r.method, r.seed)
@@ -145,7 +158,9 @@ def seed_value(summary: dict[str, Any], metric: str) -> tuple[float | None, list
         value = summary["pass@k"].get(metric[len("pass@"):])
         return value, ([value] if value is not None else [])
     if metric not in summary:
-        raise ValueError(f"--metric {metric}: unknown; use acc, f1, em, score, format_ok or pass@<k>")
+        profile = summary.get("metric_profile", "strict")
+        raise ValueError(f"--metric {metric}: not a metric of profile {profile}; use one of "
+                         f"{', '.join(PROFILE_METRICS[profile])} or pass@<k>")
     return summary[metric]["mean"], list(summary[metric]["per_run"])
 
 
@@ -319,10 +334,38 @@ def other_spec(runs: list[RunResult]) -> TableSpec | None:
     return TableSpec("other", "Other benchmarks", [("Other", rest)]) if rest else None
 
 
+def profile_rows(runs: list[RunResult]) -> list[dict[str, Any]]:
+    """Per (method, benchmark): the headline accuracy under each profile (mean over seeds) and the difference."""
+    rows = []
+    for method in sorted({r.method for r in runs}):
+        method_runs = [r for r in runs if r.method == method]
+        for bench in sorted({b for r in method_runs for b in r.acc_by_profile}):
+            have = [r for r in method_runs if bench in r.acc_by_profile]
+            means = {p: mean_std([r.acc_by_profile[bench][p] for r in have
+                                  if r.acc_by_profile[bench][p] is not None])["mean"] for p in PROFILES}
+            diff = None if None in means.values() else means["strict"] - means["arpo"]
+            rows.append({"method": method, "benchmark": bench, **{f"acc_{p}": means[p] for p in PROFILES},
+                         "strict_minus_arpo": diff, "seeds": len(have),
+                         "samples": sum(r.num_samples[bench] for r in have)})
+    return rows
+
+
+def profiles_markdown(rows: list[dict[str, Any]], digits: int) -> str:
+    lines = ["**Accuracy under both metric profiles** (percent; mean over seeds)", "",
+             "| Method | Benchmark | arpo | strict | strict − arpo | samples |", "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        cells = [MISSING if r[k] is None else f"{100 * r[k]:.{digits}f}" for k in ("acc_arpo", "acc_strict")]
+        diff = MISSING if r["strict_minus_arpo"] is None else f"{100 * r['strict_minus_arpo']:+.{digits}f}"
+        lines.append(f"| {r['method']} | {DISPLAY.get(r['benchmark'], r['benchmark'])} | {cells[0]} | {cells[1]} | "
+                     f"{diff} | {r['samples']} |")
+    return "\n".join(lines + ["", f"{PROFILE_NOTES['arpo']}; {PROFILE_NOTES['strict']}.", ""])
+
+
 def make_tables(run_patterns: Sequence[str], out_dir: str | Path, metric: str = "acc", digits: int = 1,
-                methods: Sequence[str] | None = None) -> dict[str, Path]:
-    """Write every table and values.csv under ``out_dir``; return the paths written."""
-    runs = load_runs(find_run_dirs(run_patterns))
+                methods: Sequence[str] | None = None, profile: str = "arpo") -> dict[str, Path]:
+    """Write every table, values.csv and the profile comparison under ``out_dir``; return the paths written."""
+    check_profile(profile)
+    runs = load_runs(find_run_dirs(run_patterns), profile)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     order = list(methods) if methods else sorted({r.method for r in runs})
@@ -332,7 +375,8 @@ def make_tables(run_patterns: Sequence[str], out_dir: str | Path, metric: str = 
     scale = 1.0 if metric in ("score",) else 100.0
     seeds = sorted({r.seed for r in runs})
     note = (f"{metric} in percent; mean ± std over seeds (ddof=1, one seed: mean only) of the mean over runs; "
-            f"Tools/q: executed tool calls per question; {MISSING}: no result. Runs: {len(runs)}, seeds {seeds}.")
+            f"Tools/q: executed tool calls per question; {MISSING}: no result. Runs: {len(runs)}, seeds {seeds}. "
+            f"{PROFILE_NOTES[profile][0].upper()}{PROFILE_NOTES[profile][1:]}.")
     written: dict[str, Path] = {}
     for spec in [TABLE1, TABLE2, other_spec(runs)]:
         if spec is None:
@@ -353,6 +397,11 @@ def make_tables(run_patterns: Sequence[str], out_dir: str | Path, metric: str = 
     path = out / "values.csv"
     _write_csv(path, value_rows(runs, metric) or [{"method": ""}])
     written["values.csv"] = path
+    rows = profile_rows(runs)
+    written["profiles.md"] = out / "profiles.md"
+    written["profiles.md"].write_text(profiles_markdown(rows, digits), encoding="utf-8")
+    written["profiles.csv"] = out / "profiles.csv"
+    _write_csv(written["profiles.csv"], rows or [{"method": ""}])
     return written
 
 
@@ -434,9 +483,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Path]:
                                               "writes table.md and runs.csv")
     parser.add_argument("--baseline", help="--training-runs: the variant the others are tested against")
     parser.add_argument("--out", required=True, help="output folder for the tables")
-    parser.add_argument("--metric", default="acc", help="acc (default) | f1 | em | score | format_ok | pass@<k>")
+    parser.add_argument("--metric", default="acc", help="acc (default) | f1 | em | pass@<k>; profile arpo also substring_acc | "
+                             "math_equal, profile strict also score | format_ok")
     parser.add_argument("--digits", type=int, default=1)
     parser.add_argument("--methods", nargs="*", default=None, help="rows in this order (default: all, sorted)")
+    parser.add_argument("--profile", default="arpo", choices=PROFILES,
+                        help="--runs: metric profile of the tables (arpo: the released evaluation's metrics, as in "
+                             "the paper; strict: ours); profiles.md shows both")
     args = parser.parse_args(argv)
     if args.training_runs:
         from arpo.analysis import seed_summaries
@@ -448,10 +501,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Path]:
         print(written["table.md"].read_text(encoding="utf-8"))
         return written
     try:
-        written = make_tables(args.runs, args.out, args.metric, args.digits, args.methods)
+        written = make_tables(args.runs, args.out, args.metric, args.digits, args.methods, args.profile)
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"arpo.tables: {err}") from None
-    for name in ("table1.md", "table2.md", "other.md"):
+    for name in ("table1.md", "table2.md", "other.md", "profiles.md"):
         if name in written:
             print(written[name].read_text(encoding="utf-8"))
     print("written: " + ", ".join(str(p) for p in written.values()))

@@ -6,11 +6,16 @@ import json
 from pathlib import Path
 
 
-def record(benchmark: str, index: int, run: int, acc: float, tools: int = 0, f1: float | None = None) -> dict:
+def record(benchmark: str, index: int, run: int, acc: float, tools: int = 0, f1: float | None = None,
+           arpo_acc: float | None = None) -> dict:
+    """A graded sample: ``acc`` under the strict profile, ``arpo_acc`` (default: the same) under the arpo one."""
+    arpo_acc = acc if arpo_acc is None else arpo_acc
     return {
         "benchmark": benchmark, "index": index, "run": run, "seed": 1000 * run + index,
         "question": f"q{index}", "response": "", "answer": "",
         "metrics": {"acc": acc, "f1": acc if f1 is None else f1, "em": acc, "score": acc, "format_ok": 1.0},
+        "metrics_arpo": {"acc": arpo_acc, "f1": arpo_acc, "em": arpo_acc, "substring_acc": arpo_acc,
+                         "math_equal": arpo_acc},
         "tool_calls": {"total": tools, "search": tools, "python": 0, "refused": 0},
         "finish_reason": "stop", "response_tokens": 10,
     }

@@ -112,6 +112,9 @@ def test_samples_are_graded_with_the_registry(tmp_path):
         assert r["finish_reason"] == "stop" and r["tool_calls"]["total"] == 0
         assert r["answer"] != "" and r["metrics"]["acc"] == float(int(r["answer"]) == int(r["ground_truth"]))
         assert r["metrics"]["format_ok"] == 1.0
+        # the arpo profile grades the same text as the released evaluation (QA F1 of the boxed answer)
+        assert r["task"] == "qa" and r["metrics_arpo"]["prediction"] == r["answer"]
+        assert r["metrics_arpo"]["acc"] == float(r["answer"] == str(r["ground_truth"]))
 
 
 def test_repeated_search_query_is_refused_without_running():
