@@ -62,7 +62,7 @@ from tqdm import tqdm
 from arpo import analysis, stats
 from arpo.config import ConfigError
 from arpo.pipeline import Preset, overrides_for_stage, stage_paths
-from arpo.evaluation.tables import write_training_tables
+from arpo.evaluation.training_tables import write_training_tables
 
 REPO = Path(__file__).resolve().parents[1]
 logger = logging.getLogger("arpo.ablation")

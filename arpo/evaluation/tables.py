@@ -18,7 +18,7 @@ per-benchmark summary from its per-sample JSONL (so a table never reflects a sta
 
 ``python -m arpo.tables --training-runs <dir> --out <dir> [--baseline NAME]`` makes the ablation table of
 training runs instead (``<dir>/<variant>/seed<K>/metrics.jsonl``, as ``experiments/ablation.py`` writes):
-``table.md`` with mean ± std over seeds of final validation accuracy and reward, tool calls per trajectory,
+``table.md`` (:mod:`arpo.evaluation.training_tables`) with mean ± std over seeds of final validation accuracy and reward, tool calls per trajectory,
 tokens generated and wall time, Welch's t-test p-values against the baseline, and ``runs.csv``.
 
 A cell is the mean ± std over seeds (std: ddof=1; a single seed shows the mean only) of each seed's
@@ -36,7 +36,6 @@ import csv
 import glob
 import json
 import logging
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -299,7 +298,8 @@ def to_csv_rows(spec: TableSpec, cells: dict[str, dict[str, Cell]], methods: lis
     return rows
 
 
-def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Rows as CSV with the union of their keys as columns (first-seen order)."""
     fields = list(dict.fromkeys(k for r in rows for k in r))
     with path.open("w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=fields)
@@ -392,87 +392,17 @@ def make_tables(run_patterns: Sequence[str], out_dir: str | Path, metric: str = 
             path.write_text(text, encoding="utf-8")
             written[f"{spec.name}.{ext}"] = path
         path = out / f"{spec.name}.csv"
-        _write_csv(path, to_csv_rows(spec, cells, rows_methods, scale))
+        write_csv(path, to_csv_rows(spec, cells, rows_methods, scale))
         written[f"{spec.name}.csv"] = path
     path = out / "values.csv"
-    _write_csv(path, value_rows(runs, metric) or [{"method": ""}])
+    write_csv(path, value_rows(runs, metric) or [{"method": ""}])
     written["values.csv"] = path
     rows = profile_rows(runs)
     written["profiles.md"] = out / "profiles.md"
     written["profiles.md"].write_text(profiles_markdown(rows, digits), encoding="utf-8")
     written["profiles.csv"] = out / "profiles.csv"
-    _write_csv(written["profiles.csv"], rows or [{"method": ""}])
+    write_csv(written["profiles.csv"], rows or [{"method": ""}])
     return written
-
-
-# ---- training runs (ablations) ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TrainingColumn:
-    """One column of an ablation table: a key of :func:`arpo.analysis.run_summary` (or the driver's record)."""
-
-    key: str
-    header: str
-    scale: float = 1.0
-    digits: int = 3
-    #: add Welch's t-test p-value against the baseline after the column
-    test: bool = False
-
-
-TRAINING_COLUMNS = (
-    TrainingColumn("val_acc", "Val acc (%)", 100.0, 1, test=True),
-    TrainingColumn("val_reward", "Val reward", 1.0, 3, test=True),
-    TrainingColumn("train_score", "Train score (last step)", 1.0, 3),
-    TrainingColumn("tool_calls_per_traj", "Tool calls / traj", 1.0, 2),
-    TrainingColumn("tokens_generated", "Tokens generated", 1.0, 0),
-    TrainingColumn("wall_s", "Wall (s)", 1.0, 0),
-)
-
-
-def training_table(summaries: dict[str, list[dict[str, float]]], baseline: str | None = None,
-                   note: str = "") -> str:
-    """Markdown: one row per variant, mean ± std over seeds of each column (NaN values, i.e. metrics a run did
-    not log, left out), and for tested columns Welch's p-value of the variant against ``baseline``."""
-    from arpo.stats import welch_t_test
-
-    heads = ["Variant", "Seeds"]
-    for col in TRAINING_COLUMNS:
-        heads += [col.header] + ([f"p ({col.header})"] if col.test and baseline else [])
-    lines = ["| " + " | ".join(heads) + " |", "|---|" + "|".join("---:" for _ in heads[1:]) + "|"]
-    base = summaries.get(baseline, []) if baseline else []
-    for variant, runs in summaries.items():
-        row = [variant + (" (baseline)" if variant == baseline else ""), str(len(runs))]
-        for col in TRAINING_COLUMNS:
-            values = _finite([r.get(col.key, math.nan) for r in runs])
-            row.append(fmt(Cell(values), col.scale, col.digits))
-            if col.test and baseline:
-                p = math.nan if variant == baseline else \
-                    welch_t_test(values, _finite([r.get(col.key, math.nan) for r in base]))
-                row.append("–" if math.isnan(p) else f"{p:.3g}")
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines + ["", note, ""] if note else lines + [""])
-
-
-def training_rows(summaries: dict[str, list[dict[str, float]]]) -> list[dict[str, Any]]:
-    """One CSV row per (variant, seed): every number behind the ablation table."""
-    return [{"variant": v, **{k: ("" if isinstance(x, float) and math.isnan(x) else x) for k, x in r.items()}}
-            for v, runs in summaries.items() for r in runs]
-
-
-def write_training_tables(summaries: dict[str, list[dict[str, float]]], out_dir: str | Path,
-                          baseline: str | None = None, header: str = "", note: str = "") -> dict[str, Path]:
-    """``table.md`` (``header`` first, e.g. the command and git SHA) and ``runs.csv`` under ``out_dir``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    table = out / "table.md"
-    table.write_text((header + "\n\n" if header else "") + training_table(summaries, baseline, note),
-                     encoding="utf-8")
-    rows = out / "runs.csv"
-    _write_csv(rows, training_rows(summaries) or [{"variant": ""}])
-    return {"table.md": table, "runs.csv": rows}
-
-
-def _finite(values: Sequence[float]) -> list[float]:
-    return [float(v) for v in values if v is not None and math.isfinite(float(v))]
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Path]:
@@ -493,6 +423,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Path]:
     args = parser.parse_args(argv)
     if args.training_runs:
         from arpo.analysis import seed_summaries
+        from arpo.evaluation.training_tables import write_training_tables
 
         try:
             written = write_training_tables(seed_summaries(args.training_runs), args.out, args.baseline)

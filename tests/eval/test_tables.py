@@ -137,7 +137,7 @@ def test_training_table_mean_std_and_welch_p(tmp_path):
     from scipy import stats
 
     from arpo.analysis import seed_summaries
-    from arpo.evaluation.tables import write_training_tables
+    from arpo.evaluation.training_tables import write_training_tables
 
     root = tmp_path / "runs"
     base, arpo = [0.1, 0.2, 0.3], [0.4, 0.6, 0.65]
