@@ -297,7 +297,8 @@ def train_sft(model, examples: list | DemonstrationStream, *, epochs: int, batch
     ``examples``: a list, or a :class:`DemonstrationStream` whose first epoch trains on the demonstrations as they
     arrive (``num_examples``, the rows it will yield at most, plans the schedule); later epochs shuffle them all.
     The common prompt prefix is run once per batch (``share_prompt_prefix``). ``dtype`` bfloat16: CPU autocast
-    with fp32 master weights (as the RL trainer, :mod:`arpo.trainer.device`)."""
+    with fp32 master weights (as the RL trainer, :mod:`arpo.trainer.device`); fast: bfloat16 only where the
+    CPU computes it natively."""
     from arpo.trainer.device import device_settings
 
     compute = device_settings("cpu", dtype)
@@ -314,7 +315,9 @@ def train_sft(model, examples: list | DemonstrationStream, *, epochs: int, batch
     optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(
         optim, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total))))
-    logger.info("sft: %d examples%s, %d steps", n_examples, " (streamed while built)" if streaming else "", total)
+    logger.info("sft: %d examples%s, %d steps, computing in %s (sft.dtype=%s)", n_examples,
+                " (streamed while built)" if streaming else "", total, str(compute.compute_dtype).removeprefix("torch."),
+                dtype)
     model.train()
     start, step, losses, prefixes = time.time(), 0, [], []
     bar = tqdm(total=total, desc="sft", unit="step")
@@ -363,7 +366,8 @@ def train_sft(model, examples: list | DemonstrationStream, *, epochs: int, batch
     return {"steps": step, "planned_steps": total, "epochs": round(step / max(1, steps_per_epoch), 2),
             "final_loss": float(np.mean(losses[-20:])) if losses else float("nan"),
             "seconds": time.time() - start, "stopped_early": stopped_early,
-            "mean_shared_prefix": float(np.mean(prefixes)) if prefixes else 0.0}
+            "mean_shared_prefix": float(np.mean(prefixes)) if prefixes else 0.0,
+            "compute_dtype": str(compute.compute_dtype).removeprefix("torch.")}
 
 
 def run_sft(cfg) -> Path:
@@ -375,8 +379,8 @@ def run_sft(cfg) -> Path:
     from tools.registry import load_tools
 
     s = cfg.sft
-    if s.dtype not in ("float32", "bfloat16"):
-        raise ConfigError(f"sft.dtype={s.dtype!r} is not valid; choose float32 or bfloat16")
+    if s.dtype not in ("float32", "bfloat16", "fast"):
+        raise ConfigError(f"sft.dtype={s.dtype!r} is not valid; choose float32, bfloat16 or fast")
     seed_everything(s.seed)
     model_path = require_path(cfg.actor_rollout_ref.model.path, "actor_rollout_ref.model.path",
                               "build the tiny model with `python -m arpo.models.tiny` or point it at an HF checkpoint",

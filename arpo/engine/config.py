@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 BACKENDS = ("vllm", "hf")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "fast", "float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -126,11 +126,16 @@ def _to_container(cfg: Any) -> Any:
 
 
 def resolve_dtype(dtype: str, device: str):
-    """The torch dtype for a config dtype name on a device ("auto": float32 on CPU, bfloat16 on CUDA)."""
+    """The torch dtype for a config dtype name on a device ("auto": float32 on CPU, bfloat16 on CUDA; "fast":
+    bfloat16 where the hardware computes it natively, else float32, see :mod:`arpo.trainer.device`)."""
     import torch
 
     if dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype == "fast":
+        from arpo.trainer.device import fast_dtype
+
+        return fast_dtype(device)
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 

@@ -96,15 +96,15 @@ def _number_in(cfg: Any, key: str, default: float, low: float, high: float, low_
 
 def validate_actor_config(cfg: Any) -> None:
     """Check device, world size, batch sizes, optimizer, data and checkpoint keys; raise ConfigError."""
-    from arpo.trainer.device import DTYPES, DEVICES
+    from arpo.trainer.device import DEVICES, DTYPE_CHOICES
 
     device = cfg_get(cfg, "trainer.device", "auto")
     if device not in DEVICES:
         raise ConfigError(f"trainer.device={device!r} is not valid; choose one of: {', '.join(DEVICES)}")
     dtype = cfg_get(cfg, "actor_rollout_ref.model.dtype", "auto")
-    if dtype != "auto" and dtype not in DTYPES:
-        raise ConfigError(f"actor_rollout_ref.model.dtype={dtype!r} is not valid; choose one of: auto, "
-                          f"{', '.join(DTYPES)}")
+    if dtype not in DTYPE_CHOICES:
+        raise ConfigError(f"actor_rollout_ref.model.dtype={dtype!r} is not valid; choose one of: "
+                          f"{', '.join(DTYPE_CHOICES)}")
     checkpointing = cfg_get(cfg, "actor_rollout_ref.model.enable_gradient_checkpointing", True)
     if not isinstance(checkpointing, bool):
         raise ConfigError(f"actor_rollout_ref.model.enable_gradient_checkpointing must be true or false, "

@@ -1,12 +1,15 @@
 """The one place that decides where training runs: device, torch.distributed backend and dtype.
 
-CPU: gloo; ``auto`` is float32 (exact: ranks agree with one process to ~1e-9). ``bfloat16`` on CPU is
+CPU: gloo; ``auto`` is float32 (exact: ranks agree with one process to ~1e-9). ``fast`` is bfloat16 where the
+hardware computes it natively (CUDA; a CPU with avx512_bf16 or AMX) and float32 elsewhere: on an avx2-only CPU a
+bf16 matmul is emulated, ~86x slower than float32 (1024x1024, one core, AMD EPYC without avx512_bf16), so an
+explicit ``bfloat16`` there would make a run take hours instead of minutes. ``bfloat16`` on CPU is
 autocast: matmuls and attention in bf16, while master weights, gradients, optimizer state, norms, the
 residual stream and the log-prob head stay fp32. bf16 matmuls are fast only on CPUs with native bf16
 (avx512_bf16 or AMX: 3-5x fp32 on one core here); elsewhere they are emulated and slower than fp32.
 GPU: nccl and bfloat16 compute with fp32 master weights and fp32 gradient reduction (FSDP2 mixed precision).
-Keys: ``trainer.device`` (auto | cpu | cuda) and ``actor_rollout_ref.model.dtype`` (auto | float32 |
-bfloat16 | float16).
+Keys: ``trainer.device`` (auto | cpu | cuda) and ``actor_rollout_ref.model.dtype`` (auto | fast | float32 |
+bfloat16 | float16); ``sft.dtype`` and ``actor_rollout_ref.rollout.dtype`` resolve ``fast`` here too.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import torch
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: every value a dtype key takes: the named dtypes plus auto (exact on CPU) and fast (native low precision)
+DTYPE_CHOICES = ("auto", "fast", *DTYPES)
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,13 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def fast_dtype(device_type: str) -> torch.dtype:
+    """bfloat16 where it is computed natively (CUDA, or a CPU with avx512_bf16/AMX), else float32."""
+    if device_type.startswith("cuda") or cpu_has_native_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
 def resolve_device_type(device: str | None) -> str:
     """``auto`` → cuda when a GPU is visible, else cpu; an explicit ``cuda`` without a GPU is an error."""
     device = (device or "auto").lower()
@@ -93,13 +105,15 @@ def resolve_device_type(device: str | None) -> str:
 
 
 def resolve_dtype(dtype: str | None, device_type: str) -> torch.dtype:
-    """``auto`` → bfloat16 on cuda, float32 on cpu."""
+    """``auto`` → bfloat16 on cuda, float32 on cpu; ``fast`` → :func:`fast_dtype`."""
     dtype = (dtype or "auto").lower()
     if dtype == "auto":
         return torch.bfloat16 if device_type == "cuda" else torch.float32
+    if dtype == "fast":
+        return fast_dtype(device_type)
     if dtype not in DTYPES:
-        raise ValueError(f"actor_rollout_ref.model.dtype={dtype!r} is not valid; choose one of: auto, "
-                         f"{', '.join(DTYPES)}")
+        raise ValueError(f"actor_rollout_ref.model.dtype={dtype!r} is not valid; choose one of: "
+                         f"{', '.join(DTYPE_CHOICES)}")
     return DTYPES[dtype]
 
 

@@ -87,6 +87,27 @@ def test_device_settings_cpu_defaults_and_errors():
             device_settings("cuda", "auto")
 
 
+def test_fast_dtype_is_bf16_only_where_it_is_native(monkeypatch):
+    from arpo.engine.config import resolve_dtype as engine_dtype
+    from arpo.trainer import device
+
+    for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(device, "cpu_has_native_bf16", lambda native=native: native)
+        s = device_settings("cpu", "fast")
+        assert s.compute_dtype == expected and s.autocast == native and s.fast_layout == native
+        assert engine_dtype("fast", "cpu") == expected  # the vLLM/HF engine key resolves it the same way
+    assert device.fast_dtype("cuda") == torch.bfloat16
+    assert engine_dtype("fast", "cuda:0") == torch.bfloat16
+    with pytest.raises(ValueError, match="choose one of: auto, fast, float32, bfloat16, float16"):
+        device_settings("cpu", "bf16")
+
+
+def test_this_cpus_bf16_support_is_read_from_cpuinfo():
+    flags = open("/proc/cpuinfo").read()
+    native = "avx512_bf16" in flags or "amx_bf16" in flags
+    assert device_settings("cpu", "fast").compute_dtype == (torch.bfloat16 if native else torch.float32)
+
+
 def test_lr_schedule_warmup_constant_and_cosine():
     assert [lr_lambda(s, 2, 10, "constant", 0.0, 0.5) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
     cos = [lr_lambda(s, 2, 10, "cosine", 0.1, 0.5) for s in range(12)]
