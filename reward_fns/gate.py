@@ -22,7 +22,13 @@ each of which the official check lets through or gets wrong:
 5. ``\\boxed{`` plus any ``}`` in the answer passes, even with unbalanced braces;
 6. the +0.1 bonus is granted when the strings ``</search>`` and ``</python>`` merely occur in the text;
    here it needs at least one real call of each tool that got a result (non-empty query and result;
-   when ``extra_info["tool_calls"]`` carries the rollout's record, calls marked ``error`` do not count).
+   when ``extra_info["tool_calls"]`` carries the rollout's record, calls marked ``error`` do not count);
+7. an answer in the ``\\boxed <text>`` form (a space, no braces) is graded there as the text up to the first
+   ``$`` (and wins over a later ``\\boxed{}``); here only a complete ``\\boxed{…}`` is an answer;
+8. an empty list of ground truths scores 0 there; here it raises (a dataset fault, not a wrong answer).
+
+``reward.deep_research_variant: released`` (:mod:`reward_fns.released_reward`) reproduces the released reward
+exactly, all eight included, for runs that must match it.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 RECORD_FIELDS = {"benchmark", "index", "run", "seed", "method", "question", "ground_truth", "prompt", "response",
-                 "answer", "metrics", "tool_calls", "finish_reason", "session"}
+                 "answer", "metrics", "metrics_arpo", "task", "tool_calls", "finish_reason", "session"}
 
 
 def _env() -> dict[str, str]:
