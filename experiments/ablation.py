@@ -30,6 +30,10 @@ from each variant's final model of the first seed ``rollouts/<variant>.jsonl`` (
 ``experiments/dump_rollout_entropy.py``) and ``entropy_around_tools.png``. Run folders with checkpoints stay
 under ``--runs-dir`` (ignored by git). ``notebooks/arpo_analysis.ipynb`` reads ``--out``.
 
+``--collect-only`` trains nothing and rebuilds ``--out``'s table, figures and README from ``--out/runs``;
+``--import-runs DIR`` first copies the suite's finished runs of ``--seeds`` from another runs folder (e.g. made
+by another checkout or machine; each keeps its own git SHA and overrides in ``ablation_run.json``).
+
 ``--smoke`` (CI): 2 steps, the first seed only, 8 validation prompts, 1 FSDP rank, 4 rollout-dump prompts.
 Time on a 2-core CPU: a smoke run ~50 s (~37 s of it start-up), a smoke suite of 3 variants ~4 min (the rollout
 dumps ~1 min of it); a default run (6 steps, 32 validation prompts) ~1.5 min, so a suite of 3 variants x 3 seeds
@@ -219,16 +223,33 @@ def git_sha() -> str:
     return sha + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
+def copy_run(run_dir: Path, dest: Path) -> None:
+    """A finished run's committed files (metrics, summary, driver record, final per-question correctness)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(analysis.metrics_path(run_dir), dest / "metrics.jsonl")
+    for name in RUN_FILES:
+        shutil.copyfile(run_dir / name, dest / name)
+    _write_final_correctness(run_dir / "validation", dest / FINAL_CORRECTNESS)
+
+
+def import_runs(suite: Suite, seeds: Sequence[int], source: Path, out: Path) -> list[str]:
+    """Copy the suite's finished runs of ``seeds`` from another runs folder (``source/<variant>/seed<K>``, e.g.
+    made by another checkout or machine) into ``out/runs``; returns what was imported."""
+    imported = []
+    for variant in suite.variants:
+        for seed in seeds:
+            run_dir = source / variant.name / f"seed{seed}"
+            if (run_dir / "summary.json").is_file():
+                copy_run(run_dir, out / "runs" / variant.name / f"seed{seed}")
+                imported.append(f"{variant.name}/seed{seed}")
+    return imported
+
+
 def collect(suite: Suite, runs: list[Run], out: Path, header: str, smoke: bool, dump_prompts: int) -> None:
     """Copy the finished runs' metrics into ``out`` and write the table, figures and README."""
     for run in runs:
         if run.finished:
-            dest = out / "runs" / run.variant.name / f"seed{run.seed}"
-            dest.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(analysis.metrics_path(run.dir), dest / "metrics.jsonl")
-            for name in RUN_FILES:
-                shutil.copyfile(run.dir / name, dest / name)
-            _write_final_correctness(run.dir / "validation", dest / FINAL_CORRECTNESS)
+            copy_run(run.dir, out / "runs" / run.variant.name / f"seed{run.seed}")
     names = [v.name for v in suite.variants]
     all_summaries = analysis.seed_summaries(out / "runs")
     summaries = {n: all_summaries[n] for n in names if n in all_summaries}
@@ -397,6 +418,12 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--jobs", type=int, default=1, help="runs at once (each takes trainer.n_gpus_per_node "
                                                             "ranks + an engine; on a GPU node, one per GPU set)")
     parser.add_argument("--smoke", action="store_true", help="CI: 2 steps, first seed, tiny validation")
+    parser.add_argument("--collect-only", action="store_true",
+                        help="train nothing: rebuild --out's table, figures and README from the runs in --out/runs")
+    parser.add_argument("--import-runs", type=Path, default=None,
+                        help="with --collect-only: first copy the suite's finished runs of --seeds from this folder "
+                             "(<dir>/<variant>/seed<K>, e.g. another checkout's runs) into --out/runs; their own "
+                             "git SHA and settings stay in their ablation_run.json")
     args = parser.parse_args(own)
     bad = [k for k in extra if "=" not in k]
     if bad:
@@ -421,6 +448,23 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, extra
 
 
+def collect_only(suite: Suite, args: argparse.Namespace, header: str) -> int:
+    """``--collect-only``: import runs if asked, then rebuild the results from ``--out/runs``."""
+    if args.import_runs is not None:
+        if not args.import_runs.is_dir():
+            print(f"error: --import-runs {args.import_runs}: no such directory", file=sys.stderr)
+            return 2
+        imported = import_runs(suite, args.seeds, args.import_runs.resolve(), args.out)
+        logger.info("imported %d run(s): %s", len(imported), ", ".join(imported) or "none")
+    if not (args.out / "runs").is_dir():
+        print(f"error: {args.out / 'runs'}: no runs to collect (run the suite first, or give --import-runs)",
+              file=sys.stderr)
+        return 2
+    collect(suite, [], args.out, header, args.smoke, args.dump_prompts)
+    logger.info("results: %s", args.out / "README.md")
+    return 0
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt  # SIGTERM (kill, a job scheduler) stops cleanly as Ctrl-C does: no orphaned run
 
@@ -432,13 +476,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from arpo.logging_utils import setup_logging
 
     setup_logging(args.runs_dir / args.suite / "logs", filename="ablation.log")
+    suite = SUITES[args.suite]
+    header = (f"Command: `python experiments/ablation.py {shlex.join(argv)}` — git SHA: `{git_sha()}` — "
+              f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}")
+    if args.collect_only:
+        return collect_only(suite, args, header)
     for path, what in ((args.model_dir, "--model-dir"), (args.data_dir, "--data-dir")):
         if not path.is_dir():
             raise SystemExit(f"{what} {path}: no such directory (`python -m arpo.pipeline --preset {args.preset} "
                              f"--skip-rl` builds the preset's SFT model and data)")
-    suite = SUITES[args.suite]
-    header = (f"Command: `python experiments/ablation.py {shlex.join(argv)}` — git SHA: `{git_sha()}` — "
-              f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}")
     runs = plan_runs(suite, args.seeds, args.model_dir, args.data_dir, args.runs_dir, args.smoke, extra,
                      args.preset_overrides)
     for run in runs:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -201,3 +202,34 @@ def test_sigterm_stops_the_runs_in_flight_instead_of_orphaning_them(tmp_path):
         time.sleep(0.05)
     state = Path(f"/proc/{child}/stat").read_text().split()[2] if Path(f"/proc/{child}").exists() else "gone"
     assert state in ("gone", "Z")
+
+
+def test_collect_only_imports_runs_from_another_checkout_and_rebuilds_the_results(tmp_path):
+    """Seeds made elsewhere (another checkout or machine) join a results folder without retraining: the committed
+    SmolLM2 seed-1 runs, laid out as a runs folder, are imported next to the seed-0 ones and the table is rebuilt."""
+    committed = REPO_ROOT / "experiments" / "results" / "smollm2_advantage" / "runs"
+    out, source = tmp_path / "out", tmp_path / "other_checkout"
+    for variant in ("grpo", "arpo_soft", "arpo_hard"):
+        (out / "runs" / variant).mkdir(parents=True)
+        shutil.copytree(committed / variant / "seed0", out / "runs" / variant / "seed0")
+        run = source / variant / "seed1"
+        (run / "logs").mkdir(parents=True)
+        (run / "validation").mkdir()
+        shutil.copyfile(committed / variant / "seed1" / "metrics.jsonl", run / "logs" / "metrics.jsonl")
+        for name in ("summary.json", "ablation_run.json"):
+            shutil.copyfile(committed / variant / "seed1" / name, run / name)
+        acc = json.loads((committed / variant / "seed1" / ablation.FINAL_CORRECTNESS).read_text())
+        (run / "validation" / "step_8.jsonl").write_text(
+            "".join(json.dumps({"prompt_index": int(i), "acc": a}) + "\n" for i, a in acc.items()))
+    args = ["--preset", "smollm2", "--suite", "advantage", "--seeds", "1", "--out", str(out),
+            "--runs-dir", str(tmp_path / "runs"), "--dump-prompts", "0", "--collect-only"]
+    assert ablation.main(args + ["--import-runs", str(tmp_path / "missing")]) == 2
+    assert ablation.main(args + ["--import-runs", str(source)]) == 0
+    table = (out / "table.md").read_text()
+    assert "| grpo (baseline) | 2 | 76.8 ± 6.9 |" in table and "| arpo_soft | 2 | 78.7 ± 7.5 |" in table
+    for variant in ("grpo", "arpo_soft", "arpo_hard"):
+        assert json.loads((out / "runs" / variant / "seed1" / ablation.FINAL_CORRECTNESS).read_text()) == \
+            json.loads((committed / variant / "seed1" / ablation.FINAL_CORRECTNESS).read_text())
+    readme = (out / "README.md").read_text()
+    assert "--collect-only" in readme and "| arpo_soft | all | 0.768 → 0.787 | +0.020 [-0.004, +0.045] | 512 |" in readme
+    assert (out / "reward_curves.png").read_bytes()[:4] == b"\x89PNG"
