@@ -1,10 +1,15 @@
 """verl's dp_actor.update_policy for one FSDP2 rank: PPO epochs over mini-batches over micro-batches.
 
-Data parallelism is exact: for each PPO mini-batch the loss normaliser (token count for token-mean, row count
-for the seq modes) is all-reduced over ranks first, each micro-batch's loss is divided by that *global* count
-and multiplied by the world size, and FSDP2 averages the gradients over ranks. The gradient of every
-mini-batch is then the gradient of the loss of the whole mini-batch computed in one process, whatever the
-number of ranks or micro-batches (tests/trainer/test_fsdp_update.py checks it to 1e-6).
+Data parallelism is exact and scaled as verl 0.9.1's FSDP actor scales it (``FSDPEngine.forward_backward_batch``
+with ``ppo_loss``): for each PPO mini-batch the loss tokens and the rows are all-reduced over ranks first and
+passed to every loss as verl's ``global_batch_info`` (``batch_num_tokens``, ``global_batch_size`` = all real rows
+of the mini-batch, ``dp_size``, ``loss_scale_factor``); each micro-batch's loss is its local numerator over
+those *global* counts times the world size, and FSDP2 averages the gradients over ranks. The gradient of
+every mini-batch is then the gradient of the loss of the whole mini-batch computed in one process with the
+same counts, whatever the number of ranks or micro-batches (tests/trainer/test_fsdp_update.py checks it to
+1e-6). seq-mean-token-sum-norm divides by ``actor.loss_scale_factor``, or when that is null by
+``data.max_response_length`` (verl pads every response to ``rollout.response_length`` and divides by that
+width), so its scale does not follow the longest response of the step.
 
 On-policy updates (one mini-batch per step and ``ppo_epochs`` = 1, ARPO's setting) need no old log-probs:
 the policy that sampled is the one being updated, so ``old_log_probs`` is the detached log-prob of the
@@ -55,6 +60,15 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def global_batch_info(worker: "ActorWorker", loss_mask: torch.Tensor, real_rows: torch.Tensor,
+                      loss_scale_factor: float | None = None) -> dict[str, float | int | None]:
+    """verl's ``global_batch_info`` for one mini-batch: :func:`core_algos.agg_loss`'s keywords, with this rank's
+    loss tokens and real rows (pad rows excluded) summed over all ranks (one all-reduce)."""
+    tokens, rows = worker.all_reduce_sum([float(loss_mask.sum()), float(real_rows.sum())]).tolist()
+    return {"dp_size": worker.world_size, "batch_num_tokens": tokens, "global_batch_size": rows,
+            "loss_scale_factor": None if loss_scale_factor is None else float(loss_scale_factor)}
+
+
 def ppo_update(worker: "ActorWorker", batch: DataBatch) -> dict[str, float]:
     """The body of :meth:`ActorWorker.update_policy` (see there for the batch contract)."""
     actor = lambda key, default=None: cfg_get(worker.config, f"actor_rollout_ref.actor.{key}", default)  # noqa: E731
@@ -81,6 +95,7 @@ def ppo_update(worker: "ActorWorker", batch: DataBatch) -> dict[str, float]:
     entropy_coeff = float(actor("entropy_coeff", 0.0))
     kl_coef, kl_type = float(actor("kl_loss_coef", 0.0)), actor("kl_loss_type", "low_var_kl")
     micro_size = int(actor("ppo_micro_batch_size_per_gpu", 1))
+    scale_factor = actor("loss_scale_factor", batch.meta.get("max_response_length"))
     grad_clip = float(actor("grad_clip", 1.0))
     # Without a separate old-log-prob pass the entropy metric (verl's actor/entropy) comes from here; as a
     # metric only it is computed without autograd.
@@ -101,11 +116,8 @@ def ppo_update(worker: "ActorWorker", batch: DataBatch) -> dict[str, float]:
             if "is_pad" in mb.tensors:
                 resp_mask = resp_mask * (1 - mb["is_pad"].float()).unsqueeze(-1)
             real_rows = (1 - mb["is_pad"].float()) if "is_pad" in mb.tensors else torch.ones(len(mb))
-            local_seq = (float(real_rows.sum()) if mode == "seq-mean-token-sum"
-                         else float(core_algos.agg_loss_count(resp_mask, mode)) if mode == "seq-mean-token-mean"
-                         else 0.0)
-            g_tokens, g_seqs = worker.all_reduce_sum([float(resp_mask.sum()), local_seq]).tolist()
-            agg = {"global_token_count": g_tokens, "global_seq_count": g_seqs, "dp_size": worker.world_size}
+            agg = global_batch_info(worker, resp_mask, real_rows, scale_factor)
+            g_tokens = agg["batch_num_tokens"]
 
             worker.optimizer.zero_grad(set_to_none=True)
             # [pg_loss, kl_loss, clipfrac·tok, ppo_kl·tok, clipfrac_lower·tok, entropy·tok]

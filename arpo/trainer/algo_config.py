@@ -9,8 +9,9 @@ from arpo.trainer.core_algos import ADV_ESTIMATOR_REGISTRY, KL_CTRL_TYPES, KL_PE
 from arpo.trainer.hard_advantage import ADVANTAGE_MODES
 from arpo.trainer.logprobs import DEFAULT_CHUNK_SIZE
 
-#: Estimators that give one advantage per trajectory, the only ones hard mode is defined for.
-OUTCOME_ESTIMATORS = ("grpo", "rloo")
+#: Estimators that give one advantage per trajectory, the only ones hard mode is defined for
+#: (reinforce_plus_plus_baseline whitens a per-trajectory score: still one value per row).
+OUTCOME_ESTIMATORS = ("grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "reinforce_plus_plus_baseline")
 
 
 def _get(cfg: Any, dotted: str, default: Any = None) -> Any:
@@ -48,6 +49,9 @@ def validate_algorithm_config(cfg: Any) -> None:
                 raise ValueError(f"{key} must be > 0 for algorithm.kl_ctrl.type=adaptive, got {_get(cfg, key)!r}")
     _choice(cfg, "actor_rollout_ref.actor.loss_agg_mode", LOSS_AGG_MODES, "token-mean")
     _choice(cfg, "actor_rollout_ref.actor.kl_loss_type", KL_PENALTY_TYPES, "low_var_kl")
+    scale = _get(cfg, "actor_rollout_ref.actor.loss_scale_factor")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
+        raise ValueError(f"actor_rollout_ref.actor.loss_scale_factor must be null or a number > 0, got {scale!r}")
 
     clip = _get(cfg, "actor_rollout_ref.actor.clip_ratio", 0.2)
     for side in ("low", "high"):

@@ -1,16 +1,16 @@
-"""Advantage estimators, policy / KL / entropy losses and KL controllers (verl's names and semantics).
+"""Policy / KL / entropy losses, loss aggregation and KL controllers (verl's names and semantics).
 
-Every function keeps the name, argument names and meaning of its counterpart in verl's
-``verl/trainer/ppo/core_algos.py`` so results can be compared one to one. Deliberate differences are
-marked "Differs from verl" in the docstrings; there are three:
+Every function keeps the name, argument names and meaning of its counterpart in verl 0.9.1's
+``verl/trainer/ppo/core_algos.py`` so results can be compared one to one;
+``tests/trainer/test_verl_parity.py`` checks them against outputs of verl 0.9.1 itself to 1e-6.
+The advantage estimators live in :mod:`arpo.trainer.advantages` and the masked statistics in
+:mod:`arpo.trainer.masked_stats`; both are re-exported here under verl's names. Deliberate differences
+are marked "Differs from verl" in the docstrings; none changes a result on finite inputs:
 
-* ``agg_loss("seq-mean-token-mean")`` averages over rows that have at least one loss token (verl divides
-  0 by 0 on an empty row and returns NaN).
-* ``agg_loss`` takes optional global normalisers (``global_token_count`` / ``global_seq_count``) and
-  ``dp_size`` so that data-parallel ranks and micro-batches reproduce the single-process loss exactly
-  (see :func:`agg_loss`).
-* ``compute_reinforce_plus_plus_outcome_advantage`` carries the return across tool-result tokens instead
-  of resetting it there.
+* a value outside the mask never reaches a loss (verl's seq modes multiply it by 0, so a NaN or inf
+  there poisons the row; its token modes already drop it);
+* bad names and arguments raise ``ValueError`` with the valid choices (verl: ``NotImplementedError`` or
+  an assertion).
 
 Shapes: ``B`` rows (trajectories), ``T`` response positions. ``response_mask`` is 1 on model-generated
 response tokens and 0 on tool results and padding; it is the mask every loss here is taken over.
@@ -18,255 +18,115 @@ response tokens and 0 on tool results and padding; it is the mask every loss her
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
+from arpo.trainer.advantages import (  # noqa: F401  (verl's core_algos namespace)
+    ADV_ESTIMATOR_REGISTRY,
+    compute_grpo_outcome_advantage,
+    compute_grpo_vectorized_outcome_advantage,
+    compute_reinforce_plus_plus_baseline_outcome_advantage,
+    compute_reinforce_plus_plus_outcome_advantage,
+    compute_rloo_outcome_advantage,
+    compute_rloo_vectorized_outcome_advantage,
+    get_adv_estimator_fn,
+    register_adv_est,
+)
 from arpo.trainer.logprobs import entropy_from_logits
+from arpo.trainer.masked_stats import masked_mean, masked_sum, masked_var, masked_whiten  # noqa: F401
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-#: KL estimator names accepted by :func:`kl_penalty`; "k1"/"k2"/"k3" are verl's aliases.
-KL_PENALTY_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+_BASE_KL = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+#: KL estimator names accepted by :func:`kl_penalty`: "k1"/"k2"/"k3" are verl's aliases of kl/mse/low_var_kl,
+#: and a trailing "+" keeps the value but takes the gradient of k2 (straight-through, see kl_penalty).
+KL_PENALTY_TYPES = _BASE_KL + tuple(f"{name}+" for name in _BASE_KL)
 KL_CTRL_TYPES = ("fixed", "adaptive")
-
-
-# --------------------------------------------------------------------------------------------------
-# Masked statistics
-# --------------------------------------------------------------------------------------------------
-
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
-    """Mean of ``values`` where ``mask`` is 1 (verl's ``masked_mean``: an all-zero mask gives 0)."""
-    mask = mask.to(values.dtype)
-    return (values * mask).sum(dim=axis) / (mask.sum(dim=axis) + 1e-8)
-
-
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """(values − masked mean) / sqrt(unbiased masked variance + 1e-8), as verl's ``masked_whiten``."""
-    mask = mask.to(values.dtype)
-    n = mask.sum()
-    if n < 2:
-        raise ValueError(
-            f"masked_whiten needs at least 2 unmasked tokens to estimate an unbiased variance, got {int(n)}; "
-            "check response_mask (all-tool or empty responses?)"
-        )
-    mean = (values * mask).sum() / n
-    var = (((values - mean) ** 2) * mask).sum() / (n - 1)
-    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
-    return whitened if shift_mean else whitened + mean
-
-
-# --------------------------------------------------------------------------------------------------
-# Advantage estimators
-# --------------------------------------------------------------------------------------------------
-
-ADV_ESTIMATOR_REGISTRY: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
-
-
-def register_adv_est(name: str) -> Callable:
-    """Decorator registering an advantage estimator under ``algorithm.adv_estimator: name``."""
-
-    def decorator(fn: Callable) -> Callable:
-        if name in ADV_ESTIMATOR_REGISTRY and ADV_ESTIMATOR_REGISTRY[name] is not fn:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADV_ESTIMATOR_REGISTRY[name] = fn
-        return fn
-
-    return decorator
-
-
-def get_adv_estimator_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """The estimator registered as ``name``. Every estimator accepts extra keyword arguments and ignores
-    the ones it does not use, so a trainer can call any of them with the same keywords
-    (``token_level_rewards, response_mask, index, epsilon, norm_adv_by_std_in_grpo, gamma``)."""
-    name = getattr(name, "value", name)
-    if name not in ADV_ESTIMATOR_REGISTRY:
-        raise ValueError(
-            f"unknown algorithm.adv_estimator {name!r}; valid: {', '.join(sorted(ADV_ESTIMATOR_REGISTRY))}"
-        )
-    return ADV_ESTIMATOR_REGISTRY[name]
-
-
-def _group_ids(index: Any, device: torch.device) -> tuple[torch.Tensor, int]:
-    """Map arbitrary group labels (uids: str / int) to dense ids 0..G-1, by first appearance."""
-    labels = index.tolist() if hasattr(index, "tolist") else list(index)
-    dense: dict[Any, int] = {}
-    ids = [dense.setdefault(label, len(dense)) for label in labels]
-    return torch.tensor(ids, dtype=torch.long, device=device), len(dense)
-
-
-def _group_mean_std(scores: torch.Tensor, gid: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, ...]:
-    """Per-row group size, mean and unbiased std (groups of one: mean 0, std 1, as verl)."""
-    count = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, gid, torch.ones_like(scores))
-    total = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, gid, scores)
-    mean = total / count
-    sq = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, gid, (scores - mean[gid]) ** 2)
-    std = torch.sqrt(sq / (count - 1).clamp(min=1))
-    single = count == 1
-    mean = torch.where(single, torch.zeros_like(mean), mean)
-    std = torch.where(single, torch.ones_like(std), std)
-    return count[gid], mean[gid], std[gid]
-
-
-@register_adv_est("grpo")
-def compute_grpo_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: np.ndarray,
-    epsilon: float = 1e-6,
-    norm_adv_by_std_in_grpo: bool = True,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO outcome advantage.
-
-    score_i = Σ_t token_level_rewards[i, t]; within each group (rows with equal ``index``)
-    A_i = (score_i − mean) / (std + epsilon) with the unbiased std, or score_i − mean when
-    ``norm_adv_by_std_in_grpo`` is false (Dr. GRPO). A group of one row uses mean 0 and std 1.
-    Returns ``(advantages, returns)``, both A_i broadcast over the row and multiplied by ``response_mask``.
-    """
-    with torch.no_grad():
-        scores = token_level_rewards.sum(dim=-1)
-        gid, n_groups = _group_ids(index, scores.device)
-        _, mean, std = _group_mean_std(scores, gid, n_groups)
-        adv = (scores - mean) / (std + epsilon) if norm_adv_by_std_in_grpo else scores - mean
-        adv = adv.unsqueeze(-1) * response_mask.to(adv.dtype)
-    return adv, adv
-
-
-@register_adv_est("rloo")
-def compute_rloo_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: np.ndarray,
-    epsilon: float = 1e-6,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """RLOO (leave-one-out) advantage: A_i = score_i − mean of the other rows of its group
-    (= (score_i − group mean)·n/(n−1)). A group of one keeps its raw score, as in verl."""
-    with torch.no_grad():
-        scores = token_level_rewards.sum(dim=-1)
-        gid, n_groups = _group_ids(index, scores.device)
-        count, mean, _ = _group_mean_std(scores, gid, n_groups)
-        loo = (scores - mean) * count / (count - 1).clamp(min=1)
-        adv = torch.where(count > 1, loo, scores)
-        adv = adv.unsqueeze(-1) * response_mask.to(adv.dtype)
-    return adv, adv
-
-
-@register_adv_est("reinforce_plus_plus")
-def compute_reinforce_plus_plus_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    gamma: float = 1.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++: discounted return-to-go over the model's tokens, whitened over all masked tokens of the
-    batch. Returns ``(advantages · mask, returns)``.
-
-    G_t = r_t + γ·G_{t'} where t' is the next response-mask token; masked-out positions (tool results)
-    are skipped: the return passes through them undiscounted. Differs from verl, which resets the running
-    return to 0 at every masked-out position, so in a multi-turn response the final reward never reaches
-    the tokens before the last tool result. For single-turn responses (mask 1…1 0…0) both agree.
-    """
-    with torch.no_grad():
-        mask = response_mask.to(token_level_rewards.dtype)
-        returns = torch.zeros_like(token_level_rewards)
-        running = torch.zeros_like(token_level_rewards[:, 0])
-        for t in reversed(range(token_level_rewards.shape[1])):
-            is_action = mask[:, t] > 0
-            running = token_level_rewards[:, t] + torch.where(is_action, gamma * running, running)
-            returns[:, t] = running
-        adv = masked_whiten(returns, mask) * mask
-    return adv, returns
 
 
 # --------------------------------------------------------------------------------------------------
 # Loss aggregation
 # --------------------------------------------------------------------------------------------------
 
-def agg_loss_count(loss_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
-    """The local count a mode normalises by: tokens (token-mean), rows (seq-mean-token-sum), non-empty rows
-    (seq-mean-token-mean); 0 for seq-mean-token-sum-norm, which needs no count.
-
-    A data-parallel worker sums this over its micro-batches, all-reduces the sum over ranks, and passes the
-    result to :func:`agg_loss` as ``global_token_count`` (token-mean) or ``global_seq_count`` (seq modes).
-    """
-    _check_agg_mode(loss_agg_mode)
-    mask = loss_mask.to(torch.float32)
-    if loss_agg_mode == "token-mean":
-        return mask.sum()
-    if loss_agg_mode == "seq-mean-token-sum":
-        return torch.tensor(float(mask.shape[0]), device=mask.device)
-    if loss_agg_mode == "seq-mean-token-mean":
-        return (mask.sum(dim=-1) > 0).to(torch.float32).sum()
-    return torch.zeros((), device=mask.device)
-
-
 def _check_agg_mode(loss_agg_mode: str) -> None:
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
+
+
+def agg_loss_count(loss_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
+    """The local count behind a mode's global normaliser, as verl 0.9.1's actor counts it: loss tokens for
+    the token modes (``batch_num_tokens``), rows for the seq modes (``global_batch_size``; every row,
+    fully masked ones included, since verl passes ``ppo_mini_batch_size · rollout.n``).
+
+    A data-parallel worker sums this over its share of the mini-batch and all-reduces it over ranks;
+    pad rows added only to split a batch evenly must be left out of the row count (the caller knows them).
+    """
+    _check_agg_mode(loss_agg_mode)
+    if loss_agg_mode.startswith("token-"):
+        return loss_mask.to(torch.float32).sum()
+    return torch.tensor(float(loss_mask.shape[0]), device=loss_mask.device)
 
 
 def agg_loss(
     loss_mat: torch.Tensor,
     loss_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
-    global_token_count: float | torch.Tensor | None = None,
-    global_seq_count: float | torch.Tensor | None = None,
     dp_size: int = 1,
+    batch_num_tokens: float | torch.Tensor | None = None,
+    global_batch_size: float | torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
 ) -> torch.Tensor:
-    """Aggregate a (B, T) loss matrix into a scalar.
+    """Aggregate a (B, T) loss matrix into a scalar, invariant to how the mini-batch is split over
+    data-parallel ranks and micro-batches (verl 0.9.1's ``agg_loss``).
 
-    Modes (single process, all counts local):
+    With S_i = Σ_t mask·loss of row i and n_i its loss tokens; the sums run over this call's rows, the
+    normalisers ``batch_num_tokens`` (loss tokens) and ``global_batch_size`` (rows) over the whole
+    mini-batch on all ranks, ``dp_size`` the number of ranks:
 
-    * ``token-mean``: Σ mask·loss / Σ mask (0 when the mask is empty).
-    * ``seq-mean-token-sum``: mean over rows of Σ_t mask·loss.
-    * ``seq-mean-token-mean``: mean over rows *with at least one token* of (Σ_t mask·loss / Σ_t mask).
-      Differs from verl, which returns NaN when a row is empty.
-    * ``seq-mean-token-sum-norm``: Σ over rows and tokens of mask·loss / T (T = ``loss_mask.shape[-1]``,
-      the padded response length; as verl, it is *not* divided by the number of rows).
+    * ``token-mean``: Σ_i S_i / batch_num_tokens · dp_size.
+    * ``token-sum``: Σ_i S_i · dp_size.
+    * ``seq-mean-token-sum``: Σ_{i: n_i>0} S_i / global_batch_size · dp_size.
+    * ``seq-mean-token-mean``: Σ_{i: n_i>0} (S_i / (n_i + 1e-8)) / global_batch_size · dp_size.
+    * ``seq-mean-token-sum-norm``: seq-mean-token-sum / ``loss_scale_factor`` (default T =
+      ``loss_mask.shape[-1]``; set it to a constant so the scale does not follow the padded length).
 
-    Data parallelism and micro-batches. Each rank computes its micro-batch's loss, gradients are summed over
-    micro-batches and *averaged* over the ``dp_size`` ranks (FSDP's reduce-scatter). To make that equal
-    the gradient of this function applied once to the whole mini-batch, pass the mini-batch's global
-    normaliser and the world size; each call then returns
-
-        local numerator / global normaliser · dp_size
-
-    where the normaliser is ``global_token_count`` for token-mean and ``global_seq_count`` for the seq
-    modes (get the local counts with :func:`agg_loss_count`, sum over micro-batches, all-reduce over ranks).
-    seq-mean-token-sum-norm needs only ``dp_size`` (its normaliser T is a constant; pad every micro-batch
-    to the same response length). The caller must *not* divide by the number of micro-batches again.
-    Differs from verl only in scale where verl divides by gradient-accumulation steps.
+    A normaliser left as None is this call's own count (tokens; rows with at least one token), which needs
+    ``dp_size`` 1; an empty mask then gives 0/0 = NaN, as in verl (the actor skips a non-finite step).
+    Each rank backpropagates the sum of its micro-batch losses and FSDP *averages* gradients over ranks,
+    hence the factor ``dp_size``: the update equals one process aggregating the whole mini-batch with the
+    same normalisers. verl's actor passes ``global_batch_size`` = all rows of the mini-batch, so a fully
+    masked row counts in the seq modes' denominator there but not in a call without it.
     """
     _check_agg_mode(loss_agg_mode)
     if dp_size < 1:
         raise ValueError(f"dp_size must be >= 1, got {dp_size}")
-    mask = loss_mask.to(loss_mat.dtype)
-    masked = loss_mat * mask
-
-    def normalise(numerator: torch.Tensor, local_count: torch.Tensor, global_count: Any, name: str) -> torch.Tensor:
-        if global_count is None:
-            if dp_size != 1:
-                raise ValueError(f"agg_loss({loss_agg_mode!r}) with dp_size={dp_size} needs {name} "
-                                 "(the mini-batch count over all ranks; see agg_loss_count)")
-            return numerator / local_count.clamp(min=1)
-        global_count = torch.as_tensor(global_count, dtype=numerator.dtype, device=numerator.device)
-        return numerator / global_count.clamp(min=1) * dp_size
-
+    if loss_agg_mode == "token-sum":
+        return masked_sum(loss_mat, loss_mask) * dp_size
     if loss_agg_mode == "token-mean":
-        return normalise(masked.sum(), mask.sum(), global_token_count, "global_token_count")
-    if loss_agg_mode == "seq-mean-token-sum":
-        rows = torch.tensor(float(mask.shape[0]), dtype=masked.dtype, device=masked.device)
-        return normalise(masked.sum(), rows, global_seq_count, "global_seq_count")
+        if batch_num_tokens is None:
+            if dp_size > 1:
+                raise ValueError(f"agg_loss('token-mean') with dp_size={dp_size} needs batch_num_tokens "
+                                 "(loss tokens of the mini-batch over all ranks)")
+            batch_num_tokens = loss_mask.sum()
+        return masked_sum(loss_mat, loss_mask) / batch_num_tokens * dp_size
+
+    # Differs from verl: masked_sum per row, so a non-finite value off the mask is dropped, not multiplied by 0.
+    row_sums = masked_sum(loss_mat, loss_mask, axis=-1)
+    row_tokens = loss_mask.sum(dim=-1)
     if loss_agg_mode == "seq-mean-token-mean":
-        tokens = mask.sum(dim=-1)
-        non_empty = tokens > 0
-        row_means = torch.where(non_empty, masked.sum(dim=-1) / tokens.clamp(min=1), torch.zeros_like(tokens))
-        return normalise(row_means.sum(), non_empty.to(masked.dtype).sum(), global_seq_count, "global_seq_count")
-    # seq-mean-token-sum-norm
-    return masked.sum() / loss_mask.shape[-1] * dp_size
+        row_sums = row_sums / (row_tokens + 1e-8)
+    non_empty = (row_tokens > 0).to(row_sums.dtype)
+    if global_batch_size is None:
+        if dp_size > 1:
+            raise ValueError(f"agg_loss({loss_agg_mode!r}) with dp_size={dp_size} needs global_batch_size "
+                             "(rows of the mini-batch over all ranks)")
+        global_batch_size = non_empty.sum()
+    loss = masked_sum(row_sums, non_empty) / global_batch_size * dp_size
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        loss = loss / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+    return loss
 
 
 # --------------------------------------------------------------------------------------------------
@@ -291,8 +151,9 @@ def compute_policy_loss(
     L1 = −A·ratio; L2 = −A·clip(ratio, 1 − cliprange_low, 1 + cliprange_high); L = max(L1, L2);
     for A < 0 the loss is further capped: L = min(L, −A·clip_ratio_c) (dual clip).
     ``cliprange_low``/``cliprange_high`` default to ``cliprange`` (config: ``clip_ratio_low/high``,
-    ``clip_ratio``). ``agg_kwargs`` (``global_token_count``, ``global_seq_count``, ``dp_size``) go to
-    :func:`agg_loss`; the metrics are local masked means.
+    ``clip_ratio``). ``agg_kwargs`` (``dp_size``, ``batch_num_tokens``, ``global_batch_size``,
+    ``loss_scale_factor``: verl's ``config.global_batch_info``) go to :func:`agg_loss`; the metrics are
+    local masked means.
 
     Returns ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``: the fraction of tokens where the clipped
     term is active, the masked mean of old_logp − logp, and the fraction where the dual clip is active.
@@ -324,8 +185,8 @@ def compute_policy_loss(
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
 
-def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
-    """Per-token KL estimate between the policy and the reference (Schulman's k1/k2/k3).
+def kl_penalty_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
+    """Per-token KL estimate between the policy and the reference (Schulman's k1/k2/k3, joschu.net/blog/kl-approx).
 
     kl / k1: logp − ref; abs: |logp − ref|; mse / k2: ½(logp − ref)²;
     low_var_kl / k3: e^d − d − 1 with d = clamp(ref − logp, −20, 20), the result clamped to [−10, 10].
@@ -339,7 +200,25 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
     if kl_penalty in ("low_var_kl", "k3"):
         d = torch.clamp(ref_logprob - logprob, min=-20, max=20)
         return torch.clamp(torch.exp(d) - d - 1, min=-10, max=10)
+    # Differs from verl (NotImplementedError, also for "full"): one line naming the valid estimators.
     raise ValueError(f"unknown kl penalty {kl_penalty!r}; valid: {', '.join(KL_PENALTY_TYPES)}")
+
+
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
+    """:func:`kl_penalty_forward`, or for a name ending in "+" (``k1+``, ``k3+``, ``low_var_kl+`` ...) its
+    value with the gradient of k2.
+
+    k1 and k3 estimate the KL without bias but their gradients do not estimate its gradient (k1's
+    expected gradient is 0); k2's gradient does. The straight-through form
+    k2 − stop_grad(k2) + stop_grad(estimate) reports the chosen estimator and trains with k2's gradient.
+    For k2 itself the "+" changes nothing.
+    """
+    straight_through = kl_penalty.endswith("+")
+    value = kl_penalty_forward(logprob, ref_logprob, kl_penalty[:-1] if straight_through else kl_penalty)
+    if not straight_through:
+        return value
+    k2 = 0.5 * (logprob - ref_logprob).square()
+    return k2 - k2.detach() + value.detach()
 
 
 def compute_kl_loss(
@@ -361,7 +240,9 @@ def compute_entropy_loss(
 ) -> torch.Tensor:
     """Aggregated categorical entropy of ``logits`` (B, T, V) over the response mask. The actor subtracts
     ``entropy_coeff`` times it from the policy loss. (When entropies already come from
-    :func:`arpo.trainer.logprobs.compute_logprobs_and_entropy`, call :func:`agg_loss` on them directly.)"""
+    :func:`arpo.trainer.logprobs.compute_logprobs_and_entropy`, call :func:`agg_loss` on them directly.)
+    ``agg_kwargs`` are :func:`agg_loss`'s global normalisers (verl's version takes none and so is only
+    right in one process); the entropy is computed in fp32."""
     return agg_loss(entropy_from_logits(logits), response_mask, loss_agg_mode, **agg_kwargs)
 
 

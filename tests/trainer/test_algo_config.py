@@ -27,10 +27,19 @@ def test_shipped_config_is_valid():
 
 @pytest.mark.parametrize("key, value, message", [
     ("algorithm.adv_estimator", "gae", "algorithm.adv_estimator='gae' is not valid; choose one of: grpo, "
-                                       "reinforce_plus_plus, rloo"),
+                                       "grpo_vectorized, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo, "
+                                       "rloo_vectorized"),
     ("algorithm.advantage_mode", "medium", "algorithm.advantage_mode='medium' is not valid; choose one of: soft, hard"),
     ("actor_rollout_ref.actor.loss_agg_mode", "mean", "actor_rollout_ref.actor.loss_agg_mode='mean' is not valid"),
     ("actor_rollout_ref.actor.kl_loss_type", "full", "actor_rollout_ref.actor.kl_loss_type='full' is not valid"),
+    ("actor_rollout_ref.actor.kl_loss_type", "k4+", "kl_loss_type='k4+' is not valid; choose one of: kl, k1, "
+                                                   "abs, mse, k2, low_var_kl, k3, kl+, k1+, abs+, mse+, k2+, "
+                                                   "low_var_kl+, k3+"),
+    ("actor_rollout_ref.actor.loss_agg_mode", "sum", "loss_agg_mode='sum' is not valid; choose one of: token-mean, "
+                                                    "token-sum, seq-mean-token-sum, seq-mean-token-mean, "
+                                                    "seq-mean-token-sum-norm"),
+    ("actor_rollout_ref.actor.loss_scale_factor", 0, "loss_scale_factor must be null or a number > 0, got 0"),
+    ("actor_rollout_ref.actor.loss_scale_factor", "T", "loss_scale_factor must be null or a number > 0, got 'T'"),
     ("algorithm.kl_penalty", "k4", "algorithm.kl_penalty='k4' is not valid"),
     ("algorithm.kl_ctrl.type", "pid", "algorithm.kl_ctrl.type='pid' is not valid"),
     ("actor_rollout_ref.actor.clip_ratio_c", 1.0, "clip_ratio_c must be > 1"),
@@ -41,6 +50,18 @@ def test_bad_values_fail_with_one_line(key, value, message):
     with pytest.raises(ValueError) as err:
         validate_algorithm_config(_cfg(**{key.replace(".", "__"): value}))
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("algorithm.adv_estimator", "grpo_vectorized"), ("algorithm.adv_estimator", "rloo_vectorized"),
+    ("algorithm.adv_estimator", "reinforce_plus_plus_baseline"), ("actor_rollout_ref.actor.loss_agg_mode", "token-sum"),
+    ("actor_rollout_ref.actor.kl_loss_type", "k3+"), ("actor_rollout_ref.actor.kl_loss_type", "low_var_kl+"),
+    ("algorithm.kl_penalty", "k1+"), ("actor_rollout_ref.actor.loss_scale_factor", 4096),
+])
+def test_verl_091_values_are_accepted(key, value):
+    validate_algorithm_config(_cfg(**{key.replace(".", "__"): value}))
+    if key == "algorithm.adv_estimator":  # one advantage per trajectory: hard mode is defined for them
+        validate_algorithm_config(_cfg(algorithm__adv_estimator=value, algorithm__advantage_mode="hard"))
 
 
 def test_hard_mode_needs_outcome_estimator_and_adaptive_needs_target():

@@ -1,6 +1,7 @@
 """Hand-computed checks of every function in arpo.trainer.core_algos (expected numbers derived in comments)."""
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -64,12 +65,43 @@ def test_grpo_epsilon_and_equal_scores():
     close(adv[:, 0], [-1 / (math.sqrt(2) + 0.1), 1 / (math.sqrt(2) + 0.1)])
 
 
+def test_grpo_vectorized_equals_loop_form():
+    rewards, mask, index = _rewards_and_mask()
+    for norm in (True, False):
+        loop, _ = ca.compute_grpo_outcome_advantage(rewards, mask, index, norm_adv_by_std_in_grpo=norm)
+        vec, ret = ca.compute_grpo_vectorized_outcome_advantage(rewards, mask, index, norm_adv_by_std_in_grpo=norm)
+        close(vec, loop)
+        assert torch.equal(vec, ret)
+    # Labels given as a list, a tensor of ints, or mixed types group the same way.
+    ids = torch.tensor([4, 4, 4, 9])
+    close(ca.compute_grpo_vectorized_outcome_advantage(rewards, mask, ids)[0],
+          ca.compute_grpo_outcome_advantage(rewards, mask, index)[0])
+    close(ca.compute_grpo_vectorized_outcome_advantage(rewards, mask, np.array(["a", "a", "a", 1], dtype=object))[0],
+          ca.compute_grpo_outcome_advantage(rewards, mask, index)[0])
+
+
 def test_rloo_leave_one_out():
     rewards, mask, index = _rewards_and_mask()
     adv, ret = ca.compute_rloo_outcome_advantage(rewards, mask, index)
     # row 0: 1 − mean(0, 1) = 0.5; row 1: 0 − mean(1, 1) = −1; row 2 = 0.5; lone row keeps its score 5.
     expected = torch.tensor([[0.5, 0.5, 0.5], [-1.0, 0.0, -1.0], [0.5, 0.5, 0.5], [5.0, 5.0, 0.0]])
     close(adv, expected)
+    assert torch.equal(adv, ret)
+    # The vectorized form: the same leave-one-out values, but 0 for the lone row (verl's rloo_vectorized).
+    vec, _ = ca.compute_rloo_vectorized_outcome_advantage(rewards, mask, index)
+    expected[3] = 0.0
+    close(vec, expected)
+
+
+def test_reinforce_plus_plus_baseline():
+    rewards, mask, index = _rewards_and_mask()
+    adv, ret = ca.compute_reinforce_plus_plus_baseline_outcome_advantage(rewards, mask, index)
+    # score − group mean: 1/3, −2/3, 1/3 (group a), 5 (alone, mean 0), on each row's 3, 2, 3, 2 masked tokens.
+    # The 10 masked values: mean (3·1/3 − 2·2/3 + 3·1/3 + 2·5)/10 = 10.6667/10 = 1.0666667;
+    # unbiased var = Σ(v − mean)² / 9 = (6·0.5377778 + 2·3.0044444 + 2·15.4711111)/9 = 4.4641975 → std 2.1128648
+    m, sd = 1.0666667, 2.1128648
+    hi, lo, single = (1 / 3 - m) / sd, (-2 / 3 - m) / sd, (5 - m) / sd
+    close(adv, [[hi, hi, hi], [lo, 0.0, lo], [hi, hi, hi], [single, single, 0.0]])
     assert torch.equal(adv, ret)
 
 
@@ -86,12 +118,27 @@ def test_reinforce_plus_plus_discounted_and_whitened():
 
 def test_reinforce_plus_plus_passes_return_through_tool_tokens():
     # One row, position 1 is a tool result (mask 0); reward 1 on the last token, γ = 0.5.
-    # t3 = 1; t2 = 0.5; t1 (tool) carries 0.5 undiscounted; t0 = 0.5·0.5 = 0.25.
-    # (verl resets to 0 at the tool token and would give t0 = 0.)
+    # t3 = 1; t2 = 0.5; t1 (tool) carries 0.5 undiscounted but reports 0; t0 = 0.5·0.5 = 0.25 (verl 0.9.1 too).
     rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 0, 1, 1], [1, 1, 0, 0]])
-    _, returns = ca.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, gamma=0.5)
-    close(returns[0], [0.25, 0.5, 0.5, 1.0])
+    adv, returns = ca.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, gamma=0.5)
+    close(returns[0], [0.25, 0.0, 0.5, 1.0])
+    assert (adv[mask == 0] == 0).all() and (returns[mask == 0] == 0).all()
+    # A reward on a masked-out position is not counted (as verl); gamma can come from verl's config object.
+    rewards[0, 1] = 7.0
+    _, again = ca.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, config=SimpleNamespace(gamma=0.5))
+    close(again, returns)
+
+
+def test_masked_var():
+    values, mask = torch.tensor([[1.0, 3.0, 9.0], [5.0, 0.0, 100.0]]), torch.tensor([[1, 1, 0], [1, 0, 0]])
+    # 1, 3, 5: mean 3, Σ(v − 3)² = 8 → biased 8/3, unbiased 4 (the masked-out 9, 0 and 100 ignored)
+    close(ca.masked_var(values, mask), 4.0)
+    close(ca.masked_var(values, mask, unbiased=False), 8 / 3)
+    with pytest.raises(ValueError, match="at least 2"):
+        ca.masked_var(values, torch.tensor([[1, 0, 0], [0, 0, 0]]))
+    # A NaN outside the mask does not leak into the sum.
+    close(ca.masked_sum(torch.tensor([1.0, float("nan")]), torch.tensor([1, 0])), 1.0)
 
 
 def test_masked_whiten_needs_two_tokens():
@@ -112,11 +159,16 @@ def test_estimator_registry():
     assert ca.get_adv_estimator_fn("grpo") is ca.compute_grpo_outcome_advantage
     assert ca.get_adv_estimator_fn("rloo") is ca.compute_rloo_outcome_advantage
     assert ca.get_adv_estimator_fn("reinforce_plus_plus") is ca.compute_reinforce_plus_plus_outcome_advantage
-    with pytest.raises(ValueError, match=r"unknown algorithm.adv_estimator 'gae'; valid: grpo, reinforce_plus_plus, rloo"):
+    assert ca.get_adv_estimator_fn("grpo_vectorized") is ca.compute_grpo_vectorized_outcome_advantage
+    assert ca.get_adv_estimator_fn("rloo_vectorized") is ca.compute_rloo_vectorized_outcome_advantage
+    assert (ca.get_adv_estimator_fn("reinforce_plus_plus_baseline")
+            is ca.compute_reinforce_plus_plus_baseline_outcome_advantage)
+    with pytest.raises(ValueError, match=r"unknown algorithm.adv_estimator 'gae'; valid: grpo, grpo_vectorized, "
+                                         r"reinforce_plus_plus, reinforce_plus_plus_baseline, rloo, rloo_vectorized"):
         ca.get_adv_estimator_fn("gae")
     # Every estimator accepts the same keyword set.
     rewards, mask, index = _rewards_and_mask()
-    for name in ("grpo", "rloo", "reinforce_plus_plus"):
+    for name in ca.ADV_ESTIMATOR_REGISTRY:
         adv, _ = ca.get_adv_estimator_fn(name)(token_level_rewards=rewards, response_mask=mask, index=index,
                                                epsilon=1e-6, norm_adv_by_std_in_grpo=True, gamma=1.0)
         assert adv.shape == rewards.shape
@@ -134,17 +186,35 @@ MASK = torch.tensor([[1, 1, 0, 0],
 
 @pytest.mark.parametrize("mode, expected", [
     ("token-mean", 18 / 5),               # (1+2+4+5+6) / 5 tokens
-    ("seq-mean-token-sum", 6.0),          # row sums 3, 15, 0 → mean over 3 rows
+    ("token-sum", 18.0),                  # no normalisation
+    ("seq-mean-token-sum", 9.0),          # row sums 3, 15 over the 2 rows with tokens (empty row 3 not counted)
     ("seq-mean-token-mean", 3.25),        # row means 1.5, 5 (empty row 3 skipped) → 6.5 / 2
-    ("seq-mean-token-sum-norm", 4.5),     # total 18 / T = 4
+    ("seq-mean-token-sum-norm", 2.25),    # seq-mean-token-sum 9 / T = 4
 ])
 def test_agg_loss_modes(mode, expected):
     close(ca.agg_loss(LOSS, MASK, mode), expected)
 
 
-def test_agg_loss_empty_mask_is_zero_not_nan():
+@pytest.mark.parametrize("mode, expected", [
+    ("token-mean", 18 / 10 * 2),          # global token count 10, two ranks
+    ("token-sum", 36.0),
+    ("seq-mean-token-sum", 18 / 6 * 2),   # all 6 rows of the mini-batch count, the empty one too
+    ("seq-mean-token-mean", 6.5 / 6 * 2),
+    ("seq-mean-token-sum-norm", 18 / 6 * 2 / 16),  # loss_scale_factor replaces T
+])
+def test_agg_loss_global_normalisers(mode, expected):
+    close(ca.agg_loss(LOSS, MASK, mode, dp_size=2, batch_num_tokens=10, global_batch_size=6, loss_scale_factor=16),
+          expected)
+
+
+def test_agg_loss_empty_mask():
+    # Local normalisers of an empty mask are 0/0 = NaN, as in verl (a step with no loss token is skipped);
+    # with global normalisers an empty micro-batch contributes 0.
+    empty = torch.zeros_like(MASK)
     for mode in ca.LOSS_AGG_MODES:
-        assert ca.agg_loss(LOSS, torch.zeros_like(MASK), mode).item() == 0.0
+        value = ca.agg_loss(LOSS, empty, mode)
+        assert value.item() == 0.0 if mode == "token-sum" else math.isnan(value.item()), mode
+        assert ca.agg_loss(LOSS, empty, mode, batch_num_tokens=4, global_batch_size=2).item() == 0.0
 
 
 def test_agg_loss_unknown_mode():
@@ -153,35 +223,47 @@ def test_agg_loss_unknown_mode():
 
 
 def test_agg_loss_needs_global_count_with_dp():
-    with pytest.raises(ValueError, match="global_token_count"):
+    with pytest.raises(ValueError, match="batch_num_tokens"):
         ca.agg_loss(LOSS, MASK, "token-mean", dp_size=2)
+    with pytest.raises(ValueError, match="global_batch_size"):
+        ca.agg_loss(LOSS, MASK, "seq-mean-token-mean", dp_size=2, batch_num_tokens=5)
+    with pytest.raises(ValueError, match="dp_size must be >= 1"):
+        ca.agg_loss(LOSS, MASK, "token-sum", dp_size=0)
 
 
 @pytest.mark.parametrize("mode", ca.LOSS_AGG_MODES)
 def test_agg_loss_dp_and_micro_batches_equal_single_process(mode):
-    # 8 rows split over 2 ranks × 2 micro-batches of 2 rows. Ranks' gradients are averaged (FSDP) and
-    # micro-batches summed, so the target is mean_over_ranks(sum_over_micro(loss)).
+    # 8 rows split over 2 ranks × 2 micro-batches of 2 rows, with the counts verl 0.9.1's actor passes
+    # (loss tokens and rows of the whole mini-batch). Ranks' gradients are averaged (FSDP) and micro-batches
+    # summed, so the target is mean_over_ranks(sum_over_micro(loss)).
     gen = torch.Generator().manual_seed(0)
     loss = torch.randn(8, 5, generator=gen, requires_grad=True)
     mask = (torch.rand(8, 5, generator=gen) > 0.4).long()
     mask[3] = 0  # an empty row
-    single = ca.agg_loss(loss, mask, mode)
+    micro = [(slice(0, 2), slice(2, 4)), (slice(4, 6), slice(6, 8))]  # rank 0, rank 1
+    tokens = sum(ca.agg_loss_count(mask[s], "token-mean") for rank in micro for s in rank)  # "all-reduced"
+    rows = sum(ca.agg_loss_count(mask[s], "seq-mean-token-sum") for rank in micro for s in rank)
+    assert (tokens, rows) == (mask.sum(), 8)
+    single = ca.agg_loss(loss, mask, mode, batch_num_tokens=tokens, global_batch_size=rows)
     (g_single,) = torch.autograd.grad(single, loss)
 
-    micro = [(slice(0, 2), slice(2, 4)), (slice(4, 6), slice(6, 8))]  # rank 0, rank 1
-    count = sum(ca.agg_loss_count(mask[s], mode) for rank in micro for s in rank)  # "all-reduced"
-    kwargs = {"global_token_count": count, "global_seq_count": count, "dp_size": 2}
+    kwargs = {"batch_num_tokens": tokens, "global_batch_size": rows, "dp_size": 2}
     per_rank = [sum(ca.agg_loss(loss[s], mask[s], mode, **kwargs) for s in rank) for rank in micro]
     distributed = sum(per_rank) / 2
     (g_dist,) = torch.autograd.grad(distributed, loss)
     close(distributed, single.detach())
     close(g_dist, g_single)
+    if mode.startswith("seq-"):
+        # One process without global counts divides by the 7 rows with tokens, not 8.
+        close(ca.agg_loss(loss, mask, mode) * 7 / 8, single.detach())
 
 
 def test_agg_loss_count():
     assert ca.agg_loss_count(MASK, "token-mean").item() == 5
+    assert ca.agg_loss_count(MASK, "token-sum").item() == 5
     assert ca.agg_loss_count(MASK, "seq-mean-token-sum").item() == 3
-    assert ca.agg_loss_count(MASK, "seq-mean-token-mean").item() == 2
+    assert ca.agg_loss_count(MASK, "seq-mean-token-mean").item() == 3  # the empty row counts, as verl's actor
+    assert ca.agg_loss_count(MASK, "seq-mean-token-sum-norm").item() == 3
 
 
 # ------------------------------------------------------------------------------------------ policy loss
@@ -252,6 +334,18 @@ def test_kl_penalty_estimators():
     close(ca.kl_penalty(torch.tensor([0.0, 0.0]), torch.tensor([15.0, -30.0]), "low_var_kl"), [10.0, 10.0])
     with pytest.raises(ValueError, match="unknown kl penalty 'full'"):
         ca.kl_penalty(logp, ref, "full")
+
+
+@pytest.mark.parametrize("name", ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"])
+def test_kl_penalty_straight_through(name):
+    # "name+": the value of name, the gradient of k2 = ½(logp − ref)², i.e. logp − ref = 0.5, −1.
+    logp = torch.tensor([-1.0, -2.0], requires_grad=True)
+    ref = torch.tensor([-1.5, -1.0])
+    value = ca.kl_penalty(logp, ref, name + "+")
+    close(value.detach(), ca.kl_penalty(logp.detach(), ref, name))
+    (grad,) = torch.autograd.grad(value.sum(), logp)
+    close(grad, [0.5, -1.0])
+    assert name + "+" in ca.KL_PENALTY_TYPES
 
 
 def test_kl_loss():

@@ -96,3 +96,21 @@ def test_balanced_split_evens_tokens_and_gathers_back_in_order():
     order = balanced_order(batch["attention_mask"][:8], 2)
     halves = lengths[:8][order].split(4)
     assert abs(int(halves[0].sum()) - int(halves[1].sum())) < int(lengths.max())
+
+
+def test_global_batch_info_is_verls_for_the_mini_batch():
+    """What every loss of a mini-batch is normalised by: loss tokens and real rows summed over the ranks
+    (pad rows left out; a real row without loss tokens counted, as verl's global_batch_size)."""
+    from arpo.trainer.actor_update import global_batch_info
+
+    class Rank:  # rank 0 of 2; the other rank holds 3 real rows with 7 loss tokens
+        world_size = 2
+
+        def all_reduce_sum(self, values):
+            return torch.as_tensor(values, dtype=torch.float64) + torch.tensor([7.0, 3.0])
+
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [0, 0, 0]])  # a real row without tokens, then a pad row
+    real_rows = torch.tensor([1.0, 1.0, 0.0])
+    info = global_batch_info(Rank(), mask, real_rows, loss_scale_factor=None)
+    assert info == {"dp_size": 2, "batch_num_tokens": 9.0, "global_batch_size": 5.0, "loss_scale_factor": None}
+    assert global_batch_info(Rank(), mask, real_rows, 4096)["loss_scale_factor"] == 4096.0

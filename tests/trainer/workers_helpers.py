@@ -114,12 +114,14 @@ def reference_update(model_dir: Path, batch: DataBatch, cfg: dict) -> tuple[dict
                                                      mb["responses"].shape[1], calc_entropy=True, pack=False)
             mask = mb["response_mask"].float()
             mode = a["loss_agg_mode"]
+            # verl's actor divides the seq modes by all rows of the mini-batch (global_batch_size), even in one process.
+            agg = {"global_batch_size": len(mb), "loss_scale_factor": a.get("loss_scale_factor")}
             pg_loss, clipfrac, ppo_kl, lower = core_algos.compute_policy_loss(
                 mb["old_log_probs"], logp, mb["advantages"], mask, cliprange=a["clip_ratio"],
                 cliprange_low=a["clip_ratio_low"], cliprange_high=a["clip_ratio_high"],
-                clip_ratio_c=a["clip_ratio_c"], loss_agg_mode=mode)
-            loss = pg_loss - a["entropy_coeff"] * core_algos.agg_loss(ent, mask, mode)
-            kl = core_algos.compute_kl_loss(logp, mb["ref_log_prob"], mask, a["kl_loss_type"], mode)
+                clip_ratio_c=a["clip_ratio_c"], loss_agg_mode=mode, **agg)
+            loss = pg_loss - a["entropy_coeff"] * core_algos.agg_loss(ent, mask, mode, **agg)
+            kl = core_algos.compute_kl_loss(logp, mb["ref_log_prob"], mask, a["kl_loss_type"], mode, **agg)
             loss = loss + a["kl_loss_coef"] * kl
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), a["grad_clip"])
