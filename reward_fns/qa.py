@@ -67,6 +67,11 @@ def exact_match(prediction: str | None, ground_truth: Any) -> float:
 def _token_f1(pred: str, gold: str) -> float:
     if (pred in EXACT_ONLY_ANSWERS or gold in EXACT_ONLY_ANSWERS) and pred != gold:
         return 0.0
+    return token_f1(pred, gold)
+
+
+def token_f1(pred: str, gold: str) -> float:
+    """F1 over the whitespace tokens of two already normalised strings (no yes/no rule)."""
     pred_tokens, gold_tokens = pred.split(), gold.split()
     common = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
     if common == 0:

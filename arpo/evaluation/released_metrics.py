@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import re
 import string
-from collections import Counter
 from typing import Any
+
+from reward_fns.qa import token_f1
 
 #: the released evaluator's task types; math for the math reward family, qa for everything else
 TASKS = ("math", "qa")
@@ -95,16 +96,6 @@ def normalize(text: Any, remove_articles: bool = False, remove_punctuation: bool
     if remove_punctuation:
         text = "".join(ch for ch in text if ch not in string.punctuation)
     return " ".join(text.split())
-
-
-def token_f1(prediction: str, reference: str) -> float:
-    """F1 over whitespace tokens of two already normalised strings."""
-    pred, ref = prediction.split(), reference.split()
-    same = sum((Counter(pred) & Counter(ref)).values())
-    if same == 0:
-        return 0.0
-    precision, recall = same / len(pred), same / len(ref)
-    return 2 * precision * recall / (precision + recall)
 
 
 # ---- math equivalence: the Hendrycks MATH string normaliser ------------------------------------------------
