@@ -1,10 +1,15 @@
 """Benchmark of the algorithm layer; prints one JSON object.
 
     python experiments/bench_algos.py [--groups 128 --group-size 16 --response-length 4096]
+                                      [--adv-prompts 64 --adv-group-size 8] [--parts group_advantages,...]
 
 * hard advantage on random ARPO-like trees (every group a root plus forks), in ms per batch;
 * chunked response log-probs + entropy with a 151,936-token vocabulary vs the naive full-logits path
-  (time and the size of the largest logits tensor each path creates).
+  (time and the size of the largest logits tensor each path creates);
+* the group advantage estimators, loop forms (grpo, rloo: one group at a time) against the vectorized
+  forms (grpo_vectorized, rloo_vectorized: scatter-adds), on --adv-prompts x --adv-group-size rows of
+  --response-length tokens with uid labels, in ms per call (median of --repeats), with the largest
+  difference between the two forms' advantages.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import numpy as np
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from arpo.trainer import core_algos
 from arpo.trainer.hard_advantage import compute_hard_advantage
 from arpo.trainer.logprobs import compute_logprobs_and_entropy
 
@@ -71,19 +77,77 @@ def bench_logprobs(batch: int, prompt: int, response: int, chunk: int, vocab: in
             "largest_logits_mb_naive": round(batch * (prompt + response) * vocab * 4 / 2**20, 1)}
 
 
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return round(float(np.median(times)) * 1000, 2)
+
+
+def bench_group_advantages(prompts: int, group_size: int, t_len: int, repeats: int = 5, seed: int = 0) -> dict:
+    """Loop vs vectorized GRPO / RLOO on a batch shaped like a training step: ``prompts`` groups of
+    ``group_size`` rows (adjacent, as the rollout emits them), binary outcome on each row's last token."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = prompts * group_size
+    lengths = torch.randint(t_len // 8, t_len + 1, (rows,), generator=gen)
+    mask = (torch.arange(t_len).unsqueeze(0) < lengths.unsqueeze(1)).float()
+    rewards = torch.zeros(rows, t_len)
+    rewards[torch.arange(rows), lengths - 1] = (torch.rand(rows, generator=gen) > 0.5).float()
+    index = np.array([f"uid-{p}" for p in range(prompts) for _ in range(group_size)], dtype=object)
+    result: dict = {"rows": rows, "prompts": prompts, "group_size": group_size, "response_length": t_len,
+                    "repeats": repeats}
+    for loop_name, vec_name in (("grpo", "grpo_vectorized"), ("rloo", "rloo_vectorized")):
+        loop_fn, vec_fn = core_algos.get_adv_estimator_fn(loop_name), core_algos.get_adv_estimator_fn(vec_name)
+        kwargs = {"token_level_rewards": rewards, "response_mask": mask, "index": index}
+        loop_ms = _median_ms(lambda: loop_fn(**kwargs), repeats)
+        vec_ms = _median_ms(lambda: vec_fn(**kwargs), repeats)
+        diff = float((loop_fn(**kwargs)[0] - vec_fn(**kwargs)[0]).abs().max())
+        # The part the two forms differ in: the same call on one position per row (scores only).
+        scalar = {"token_level_rewards": rewards.sum(dim=-1, keepdim=True), "response_mask": torch.ones(rows, 1),
+                  "index": index}
+        loop_stats_ms = _median_ms(lambda: loop_fn(**scalar), repeats)
+        vec_stats_ms = _median_ms(lambda: vec_fn(**scalar), repeats)
+        result[loop_name] = {"loop_ms": loop_ms, "vectorized_ms": vec_ms,
+                             "speedup": round(loop_ms / vec_ms, 2) if vec_ms else None,
+                             "group_stats_loop_ms": loop_stats_ms, "group_stats_vectorized_ms": vec_stats_ms,
+                             "group_stats_speedup": round(loop_stats_ms / vec_stats_ms, 1) if vec_stats_ms else None,
+                             "max_abs_diff": diff}
+    # What both forms share: the (rows, T) reward sum and the broadcast over the mask (on CPU most of the time).
+    result["shared_broadcast_ms"] = _median_ms(lambda: rewards.sum(dim=-1).unsqueeze(-1) * mask, repeats)
+    return result
+
+
+PARTS = ("hard_advantage", "logprobs", "group_advantages")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=128)
     parser.add_argument("--group-size", type=int, default=16)
     parser.add_argument("--response-length", type=int, default=4096)
     parser.add_argument("--chunk-size", type=int, default=256)
+    parser.add_argument("--adv-prompts", type=int, default=64, help="group_advantages: prompts (groups)")
+    parser.add_argument("--adv-group-size", type=int, default=8, help="group_advantages: rows per prompt")
+    parser.add_argument("--repeats", type=int, default=5, help="group_advantages: timed calls per form")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
     args = parser.parse_args()
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        parser.error(f"--parts: unknown {', '.join(unknown)}; valid: {', '.join(PARTS)}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    result = {
-        "hard_advantage": bench_hard(args.groups, args.group_size, args.response_length),
-        "logprobs": bench_logprobs(batch=4, prompt=64, response=448, chunk=args.chunk_size),
-        "torch_threads": torch.get_num_threads(),
-    }
+    result: dict = {}
+    if "hard_advantage" in parts:
+        result["hard_advantage"] = bench_hard(args.groups, args.group_size, args.response_length)
+    if "logprobs" in parts:
+        result["logprobs"] = bench_logprobs(batch=4, prompt=64, response=448, chunk=args.chunk_size)
+    if "group_advantages" in parts:
+        result["group_advantages"] = bench_group_advantages(args.adv_prompts, args.adv_group_size,
+                                                            args.response_length, repeats=args.repeats)
+    result["torch_threads"] = torch.get_num_threads()
     print(json.dumps(result))
 
 
