@@ -11,6 +11,7 @@ one REPL rule: when the last statement is an expression, its ``repr`` is printed
 # All imports happen before root is dropped: with isolation "none" the interpreter may live in a dir the
 # sandbox uid cannot read (/root/.pyenv).
 import ast
+import base64
 import builtins
 import json
 import linecache
@@ -19,18 +20,43 @@ import resource
 import site
 import sys
 import traceback
+import types
 
 LAUNCH_STUB = "import sys; exec(compile(sys.argv[1], '<sandbox>', 'exec'))"
-SETUP_FAILED = "ARPO_SANDBOX_SETUP_FAILED"
+SETUP_FAILED = "ARPO_SANDBOX_SETUP_FAILED"  # human-readable prefix on stderr; the verdict is the status fd
 SETUP_FAILED_STATUS = 125
+READY = b"ready\n"  # written to the status fd just before user code runs, which never gets that fd
 USER_FILENAME = "<string>"
 _PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_SECCOMP = 22
+_SECCOMP_MODE_FILTER = 2
+_status_fd = None
 
 
 def _fail_setup(message):
     # Fail closed: never run user code with a limit or privilege drop missing.
-    os.write(2, f"{SETUP_FAILED}: {message}\n".encode())
+    line = f"{SETUP_FAILED}: {message}\n".encode()
+    os.write(2, line)
+    if _status_fd is not None:
+        try:
+            os.write(_status_fd, line)
+        except OSError:
+            pass
     os._exit(SETUP_FAILED_STATUS)
+
+
+def _report_ready():
+    """Tell the executor, out of band, that setup is complete; then drop every inherited fd but 0-2.
+
+    A program can print anything on stderr, so only this pipe, which it never holds, tells a setup
+    failure from the program's own output.
+    """
+    if _status_fd is not None:
+        try:
+            os.write(_status_fd, READY)
+        except OSError as exc:
+            _fail_setup(f"cannot report on the status fd: {exc}")
+    os.closerange(3, 1 << 20)
 
 
 def _read_code():
@@ -88,6 +114,8 @@ def _run_as_namespace_init():
     child = os.fork()
     if child == 0:
         return
+    if _status_fd is not None:
+        os.close(_status_fd)  # only the child reports
     while True:
         try:
             pid, status = os.wait()
@@ -110,6 +138,21 @@ def _set_no_new_privs():
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         _fail_setup(f"prctl(PR_SET_NO_NEW_PRIVS) failed with errno {ctypes.get_errno()}")
+
+
+def load_seccomp(program):
+    """Install a raw seccomp BPF program (``struct sock_filter[]`` bytes) on this process and its children."""
+    import ctypes
+
+    class _SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    buffer = ctypes.create_string_buffer(program, len(program))
+    fprog = _SockFprog(len(program) // 8, ctypes.cast(buffer, ctypes.c_void_p))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:
+        return ctypes.get_errno()
+    return 0
 
 
 def _set_limits(cfg):
@@ -157,7 +200,12 @@ def _user_traceback(exc, namespace):
 
 def _run_user_code(source, repl):
     linecache.cache[USER_FILENAME] = (len(source), None, source.splitlines(True), USER_FILENAME)
-    namespace = {"__name__": "__main__", "__builtins__": builtins, "__doc__": None}
+    # A real module registered as __main__ (as with `python -c`), so pickle finds the program's functions
+    # and multiprocessing can send them to its workers.
+    main_module = types.ModuleType("__main__")
+    main_module.__builtins__ = builtins
+    sys.modules["__main__"] = main_module
+    namespace = main_module.__dict__
     try:
         tree = ast.parse(source, USER_FILENAME)
     except (SyntaxError, ValueError) as exc:
@@ -178,13 +226,19 @@ def _run_user_code(source, repl):
 
 
 def main():
+    global _status_fd
     cfg = json.loads(sys.argv[2])
+    _status_fd = cfg.get("status_fd")
     source = _read_code()
     _add_site_packages(cfg["prefix"], cfg["site_packages"])
     if os.getpid() == 1:
         _run_as_namespace_init()
     _set_no_new_privs()
     _set_limits(cfg)
+    if cfg.get("seccomp_bpf"):  # bwrap loaded it already; the other launchers leave it to us
+        failed = load_seccomp(base64.b64decode(cfg["seccomp_bpf"]))
+        if failed:
+            _fail_setup(f"could not load the seccomp filter: {os.strerror(failed)}")
     if cfg.get("uid") is not None and os.getuid() == 0:
         _drop_privileges(cfg["uid"])
     elif cfg.get("require_non_root") and os.getuid() == 0:
@@ -193,6 +247,7 @@ def main():
         os.chdir(cfg["workdir"])
     except OSError as exc:
         _fail_setup(f"cannot enter the working dir {cfg['workdir']}: {exc}")
+    _report_ready()
     # Like `python -c`: the working dir is importable (it is private to this call).
     sys.path.insert(0, cfg["workdir"])
     sys.argv = ["-c"]

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ISOLATION_MODES = ("auto", "bwrap", "unshare", "none")
+# Where the launcher assembles the sandbox's mounts in its private mount namespace (hidden from the host).
+STAGING_DIR = "/mnt"
 
 
 @dataclass(frozen=True)
@@ -23,14 +25,17 @@ class SandboxConfig:
     cpu_time_s: float = 10.0  # RLIMIT_CPU per process (soft → SIGXCPU, hard one second later → SIGKILL)
     memory_mb: int = 1024  # RLIMIT_AS per process (address space, not RSS; numpy imports within 128 MiB)
     max_processes: int = 16  # RLIMIT_NPROC: processes + threads of the sandbox uid, interpreter included
+    call_memory_mb: int = 2048  # all processes + tmpfs files + kernel memory of one call together (cgroup)
     max_file_size_mb: int = 16  # RLIMIT_FSIZE: largest file the program may write
     max_open_files: int = 256  # RLIMIT_NOFILE
-    tmpfs_size_mb: int = 64  # size of each private tmpfs (the working dir and /tmp)
+    tmpfs_size_mb: int = 64  # size of each private tmpfs (the working dir, /tmp and /dev/shm)
+    tmpfs_max_files: int = 10000  # inodes (files + dirs) of each private tmpfs
     max_output_chars: int = 4096  # model text is cut to this many characters, with a visible marker
     max_capture_bytes: int = 1 << 20  # per stream; beyond it the program is stopped (huge-output guard)
     # --- isolation ----------------------------------------------------------------------------
     isolation: str = "auto"  # auto: bwrap, else unshare, else fail closed (see allow_unsandboxed)
     allow_unsandboxed: bool = False  # True: with no namespaces, run with rlimits only and warn loudly
+    seccomp: bool = True  # deny syscalls a calculator never needs (fail closed if the filter cannot be built)
     python_executable: str = field(default_factory=lambda: sys.executable)
     venv_mount: str = "/opt/venv"  # where a virtualenv's prefix appears inside the sandbox
     workdir: str = "/sandbox"  # the program's private working dir (a tmpfs), also its $HOME
@@ -40,14 +45,22 @@ class SandboxConfig:
     env: dict[str, str] = field(default_factory=dict)  # extra environment variables for the program
 
     def validate(self) -> "SandboxConfig":
-        positive = ("timeout_s", "cpu_time_s", "memory_mb", "max_processes", "max_file_size_mb",
-                    "max_open_files", "tmpfs_size_mb", "max_output_chars", "max_capture_bytes")
+        positive = ("timeout_s", "cpu_time_s", "memory_mb", "max_processes", "call_memory_mb", "max_file_size_mb",
+                    "max_open_files", "tmpfs_size_mb", "tmpfs_max_files", "max_output_chars", "max_capture_bytes")
         for key in positive:
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"python sandbox config: '{key}' must be a positive number, got {value!r}")
         if self.max_processes < 2:
             raise ValueError("python sandbox config: 'max_processes' must be >= 2 (the interpreter counts as one)")
+        if self.call_memory_mb < 64:
+            raise ValueError(f"python sandbox config: 'call_memory_mb' must be >= 64 (one interpreter needs ~30 "
+                             f"MiB; numpy + sympy ~150 MiB), got {self.call_memory_mb!r}")
+        if self.tmpfs_max_files < 16:
+            raise ValueError(f"python sandbox config: 'tmpfs_max_files' must be >= 16 (the interpreter writes a "
+                             f"few files), got {self.tmpfs_max_files!r}")
+        if not isinstance(self.seccomp, bool):
+            raise ValueError(f"python sandbox config: 'seccomp' must be true or false, got {self.seccomp!r}")
         if self.isolation not in ISOLATION_MODES:
             raise ValueError(f"python sandbox config: 'isolation' must be one of {ISOLATION_MODES}, "
                              f"got {self.isolation!r}")
@@ -65,6 +78,9 @@ class SandboxConfig:
         for path in self.extra_ro_binds:
             if not os.path.isabs(path):
                 raise ValueError(f"python sandbox config: 'extra_ro_binds' entries must be absolute, got {path!r}")
+            if path == STAGING_DIR or path.startswith(STAGING_DIR + "/"):
+                raise ValueError(f"python sandbox config: 'extra_ro_binds' entry {path!r} is under {STAGING_DIR}, "
+                                 f"which the launcher covers with its own tmpfs; bind it from another path")
         if self.uid_base is not None and not 1000 <= self.uid_base < 2**31 - 100_000:
             raise ValueError(f"python sandbox config: 'uid_base' must be in [1000, 2^31 - 100000), "
                              f"got {self.uid_base!r}")

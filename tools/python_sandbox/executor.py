@@ -13,8 +13,8 @@ import threading
 import time
 from typing import Any
 
-from tools.python_sandbox import isolation
-from tools.python_sandbox.bootstrap import SETUP_FAILED
+from tools.python_sandbox import cgroups, isolation, seccomp
+from tools.python_sandbox.bootstrap import READY, SETUP_FAILED
 from tools.python_sandbox.config import SandboxConfig
 from tools.python_sandbox.result import SandboxResult
 
@@ -144,29 +144,77 @@ def _decode(data: bytes | bytearray) -> str:
     return bytes(data).decode("utf-8", "replace")
 
 
+def _launch_config(config: SandboxConfig) -> tuple[SandboxConfig, cgroups.CallCgroup | None]:
+    """The call's cgroup, or without one the rlimit bound: max_processes × memory_mb ≤ call_memory_mb."""
+    cgroup, why = cgroups.create_call_cgroup(config.call_memory_mb, config.max_processes)
+    if cgroup is not None:
+        return config, cgroup
+    per_process = cgroups.rlimit_fallback_memory_mb(config.memory_mb, config.call_memory_mb, config.max_processes)
+    _warn_once("cgroup", f"python sandbox: no per-call cgroup ({why}); bounding a call's memory by rlimits "
+                         f"instead: {config.max_processes} processes x {per_process} MiB each <= call_memory_mb "
+                         f"{config.call_memory_mb} (numpy + sympy need ~192 MiB per process: lower "
+                         "max_processes or raise call_memory_mb if imports fail)")
+    return config.replace(memory_mb=per_process), None
+
+
+def _read_status(fd: int) -> bytes:
+    os.set_blocking(fd, False)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _run_in(mode: str, code: str, config: SandboxConfig) -> SandboxResult:
     result = SandboxResult(isolation=mode, timeout_s=config.timeout_s, cpu_time_s=config.cpu_time_s,
-                           max_output_chars=config.max_output_chars)
+                           max_output_chars=config.max_output_chars, call_memory_mb=config.call_memory_mb)
     slot = _SLOTS.acquire()
     host_workdir = None
+    cgroup = None
+    owned_fds: list[int] = []
+    status_r = None
+    status = b""
     start = time.monotonic()
     try:
         uid = sandbox_uid(config, slot)
+        program = None
+        if config.seccomp:
+            program, why = seccomp.sandbox_filter()
+            if program is None:
+                result.error = why
+                return result
+        config, cgroup = _launch_config(config)
+        status_r, status_w = os.pipe()
+        owned_fds.append(status_w)
+        seccomp_fd = seccomp.filter_memfd(program) if (mode == "bwrap" and program) else None
+        if seccomp_fd is not None:
+            owned_fds.append(seccomp_fd)
+        fds = isolation.LaunchFds(status_w, seccomp_fd, program if mode != "bwrap" else None,
+                                  tuple(cgroup.procs_files) if cgroup else ())
         if mode == "none":
             host_workdir = tempfile.mkdtemp(prefix="arpo-sandbox-")
             if uid is not None:
                 os.chown(host_workdir, uid, uid)
             os.chmod(host_workdir, 0o700)
-            cmd = isolation.unsandboxed_command(config, uid, host_workdir)
+            cmd = isolation.unsandboxed_command(config, uid, host_workdir, fds)
             env = dict(isolation.sandbox_env(config), HOME=host_workdir, TMPDIR=host_workdir)
         else:
-            cmd = isolation.command_for(mode, config, uid)
+            cmd = isolation.command_for(mode, config, uid, fds)
             env = dict(_LAUNCHER_ENV)
         with tempfile.TemporaryFile() as code_file:
             code_file.write(code.encode("utf-8", "replace"))
             code_file.seek(0)
             proc = subprocess.Popen(cmd, stdin=code_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    env=env, cwd=host_workdir or "/", start_new_session=True, close_fds=True)
+                                    env=env, cwd=host_workdir or "/", start_new_session=True, close_fds=True,
+                                    pass_fds=fds.pass_fds)
+        while owned_fds:  # the launcher has its copies; ours would keep the status pipe from reaching EOF
+            os.close(owned_fds.pop())
         try:
             _collect(proc, config, start, result)
         finally:
@@ -178,15 +226,23 @@ def _run_in(mode: str, code: str, config: SandboxConfig) -> SandboxResult:
                 logger.error("python sandbox: launcher pid %d did not exit after SIGKILL", proc.pid)
             for stream in (proc.stdout, proc.stderr):
                 stream.close()
+        status = _read_status(status_r)
     except Exception as exc:  # noqa: BLE001 — never raise into the rollout
         logger.exception("python sandbox: call failed")
         result.error = f"{type(exc).__name__}: {exc}"
     finally:
         _SLOTS.release(slot)
+        for fd in owned_fds + ([status_r] if status_r is not None else []):
+            os.close(fd)
+        if cgroup is not None:
+            result.oom_kills = cgroup.oom_kills()
+            peak = cgroup.peak_bytes()
+            result.memory_peak_mb = None if peak is None else round(peak / (1 << 20), 1)
+            cgroup.remove()
         if host_workdir is not None:
             shutil.rmtree(host_workdir, ignore_errors=True)
         result.duration_s = time.monotonic() - start
-    _classify_setup_failure(result, mode)
+    _classify_setup_failure(result, mode, status)
     return result
 
 
@@ -234,18 +290,18 @@ def _collect(proc: subprocess.Popen, config: SandboxConfig, start: float, result
         result.truncated = True
 
 
-def _classify_setup_failure(result: SandboxResult, mode: str) -> None:
-    """Tell the sandbox's own failures (bad mount, missing uid switch) from the program's errors."""
-    if result.error is not None or result.timed_out:
+def _classify_setup_failure(result: SandboxResult, mode: str, status: bytes) -> None:
+    """Tell the sandbox's own failures (bad mount, missing uid switch) from the program's errors.
+
+    The verdict comes from the status pipe, which user code never holds: no ``ready`` there means the
+    call ended before user code ran. Whatever the program prints on stderr cannot forge it.
+    """
+    if result.error is not None or result.timed_out or status.startswith(READY):
         return
+    reported = _decode(status).strip()
+    detail = reported[len(SETUP_FAILED) + 2:] if reported.startswith(SETUP_FAILED) else reported
     lines = result.stderr.strip().splitlines()
-    marker = next((line for line in lines if line.startswith(SETUP_FAILED)), None)
-    launcher_prefix = {"bwrap": ("bwrap: ",), "unshare": ("setpriv: ", "unshare: ")}.get(mode)
-    if marker is not None:
-        result.error = f"sandbox setup failed ({mode}): {marker[len(SETUP_FAILED) + 2:]} {' '.join(lines[-3:])}"
-    elif (launcher_prefix and result.exit_code == 1 and not result.stdout and lines
-          and lines[0].startswith(launcher_prefix)):
-        result.error = f"sandbox setup failed ({mode}): {lines[0]}"
+    result.error = f"sandbox setup failed ({mode}): {detail or ' '.join(lines[-3:]) or 'no ready signal'}"
 
 
 def execute(code: str, *, timeout_s: float | None = None, cpu_time_s: float | None = None,

@@ -3,12 +3,13 @@
 Both build the same view: a new network (loopback only, nothing listening), PID, IPC, UTS and mount
 namespace whose root is an empty tmpfs holding read-only binds of the system dirs (/usr, /bin, /lib*), the
 interpreter's installation, and a virtualenv remounted at ``venv_mount``; a fresh /proc, a minimal /dev,
-and two private size-limited tmpfs: the working dir and /tmp. Nothing else of the host (/root, /home,
+and three private tmpfs limited in size and inodes: the working dir, /tmp and /dev/shm. Nothing else of the host (/root, /home,
 /work, /etc, the host /tmp, sockets under /run) exists inside.
 """
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import os
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tools.python_sandbox.bootstrap import LAUNCH_STUB
-from tools.python_sandbox.config import SandboxConfig
+from tools.python_sandbox.config import STAGING_DIR as STAGING, SandboxConfig
 
 BOOTSTRAP_SOURCE = (Path(__file__).with_name("bootstrap.py")).read_text()
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
@@ -85,8 +86,22 @@ def sandbox_env(config: SandboxConfig) -> dict[str, str]:
     return env
 
 
+@dataclass(frozen=True)
+class LaunchFds:
+    """File descriptors and cgroup files one call's launcher is handed (the executor owns and closes them)."""
+
+    status_fd: int  # write end of the pipe on which the bootstrap reports "ready" (out of band)
+    seccomp_fd: int | None = None  # memfd with the BPF program, for bwrap's --seccomp
+    seccomp_bpf: bytes | None = None  # the same program for bootstraps that load it themselves
+    cgroup_procs: tuple[str, ...] = ()  # cgroup.procs files the launcher joins before anything runs
+
+    @property
+    def pass_fds(self) -> tuple[int, ...]:
+        return tuple(fd for fd in (self.status_fd, self.seccomp_fd) if fd is not None)
+
+
 def bootstrap_args(config: SandboxConfig, uid: int | None, layout: InterpreterLayout,
-                   workdir: str, inside: bool = True) -> list[str]:
+                   workdir: str, fds: LaunchFds, inside: bool = True) -> list[str]:
     params = {
         "prefix": layout.inside_prefix if inside else (layout.venv_prefix or layout.base_prefix),
         "site_packages": list(layout.inside_site_packages if inside else layout.host_site_packages),
@@ -99,17 +114,20 @@ def bootstrap_args(config: SandboxConfig, uid: int | None, layout: InterpreterLa
         "require_non_root": uid is not None,
         "workdir": workdir,
         "repl": config.repl_trailing_expression,
+        "status_fd": fds.status_fd,
+        "seccomp_bpf": base64.b64encode(fds.seccomp_bpf).decode() if fds.seccomp_bpf else None,
     }
     return [layout.inside_executable, "-I", "-S", "-X", "utf8", "-B", "-c", LAUNCH_STUB, BOOTSTRAP_SOURCE,
-                                   json.dumps(params)]
+            json.dumps(params)]
 
 
-def _interpreter_binds(layout: InterpreterLayout, config: SandboxConfig) -> list[tuple[str, str]]:
+def _interpreter_binds(layout: InterpreterLayout, config: SandboxConfig,
+                       staged_venv: str | None = None) -> list[tuple[str, str]]:
     binds = []
     if layout.base_prefix != "/usr" and not layout.base_prefix.startswith("/usr/"):
         binds.append((layout.base_prefix, layout.base_prefix))
     if layout.venv_prefix is not None:
-        binds.append((layout.venv_prefix, config.venv_mount))
+        binds.append((staged_venv or layout.venv_prefix, config.venv_mount))
     binds.extend((path, path) for path in config.extra_ro_binds)
     return binds
 
@@ -129,8 +147,34 @@ def _parents_to_create(dests: list[str]) -> list[str]:
     return parents
 
 
-def bwrap_command(config: SandboxConfig, uid: int | None) -> list[str]:
-    layout = interpreter_layout(config.python_executable, config.venv_mount)
+def _tmpfs_options(config: SandboxConfig, mode: str = "1777") -> str:
+    return (f"mode={mode},size={int(config.tmpfs_size_mb)}m,nr_inodes={int(config.tmpfs_max_files)},"
+            "nosuid,nodev")
+
+
+def _staging_lines(config: SandboxConfig, layout: InterpreterLayout) -> list[str]:
+    """Shell lines (run as root in a private mount namespace) that prepare the writable tmpfs and the venv.
+
+    The writable tmpfs get an inode limit here because bwrap 0.8 can set only their size. The venv is shown
+    through a read-only overlay: a bind mount's root field in /proc/*/mountinfo names its host path (the
+    project's location); an overlay's root is "/" and its options name only the staging dir.
+    """
+    q = shlex.quote
+    lines = ["set -eu",
+             f"mount -t tmpfs -o mode=0755,size=1m,nr_inodes=64,nosuid,nodev arpostage {STAGING}",
+             f"mkdir {STAGING}/work {STAGING}/tmp {STAGING}/shm"]
+    for name in ("work", "tmp", "shm"):
+        lines.append(f"mount -t tmpfs -o {_tmpfs_options(config)} sandboxtmp {STAGING}/{name}")
+    if layout.venv_prefix is not None:
+        lines += [f"mkdir {STAGING}/venv-src {STAGING}/empty {STAGING}/venv",
+                  f"mount --bind -o ro {q(layout.venv_prefix)} {STAGING}/venv-src",
+                  f"mount -t overlay -o ro,lowerdir={STAGING}/venv-src:{STAGING}/empty overlay {STAGING}/venv "
+                  f"|| mount --bind -o ro {q(layout.venv_prefix)} {STAGING}/venv"]
+    return lines
+
+
+def _bwrap_args(config: SandboxConfig, uid: int | None, layout: InterpreterLayout, fds: LaunchFds,
+                staged: bool) -> list[str]:
     tmpfs_bytes = str(int(config.tmpfs_size_mb) << 20)
     cmd = ["bwrap", "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
            "--hostname", "sandbox", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
@@ -145,38 +189,55 @@ def bwrap_command(config: SandboxConfig, uid: int | None) -> list[str]:
     for path in ETC_FILES:
         if os.path.exists(path):
             cmd += ["--ro-bind", path, path]
-    binds = _interpreter_binds(layout, config)
+    binds = _interpreter_binds(layout, config, f"{STAGING}/venv" if staged else None)
     for parent in _parents_to_create([dest for _, dest in binds]):
         # bwrap would copy the host's modes for missing parents (/root is 0700): make them traversable.
         cmd += ["--perms", "0755", "--dir", parent]
     for source, dest in binds:
         cmd += ["--ro-bind", source, dest]
-    cmd += ["--proc", "/proc", "--dev", "/dev",
-            "--size", tmpfs_bytes, "--perms", "1777", "--tmpfs", "/tmp",
-            "--size", tmpfs_bytes, "--perms", "1777", "--tmpfs", config.workdir,
-            "--chdir", config.workdir, "--clearenv"]
+    cmd += ["--proc", "/proc", "--dev", "/dev"]
+    if staged:
+        cmd += ["--bind", f"{STAGING}/tmp", "/tmp", "--bind", f"{STAGING}/work", config.workdir,
+                "--bind", f"{STAGING}/shm", "/dev/shm"]
+    else:  # not root: bwrap's own tmpfs, size-limited only
+        for dest in ("/tmp", config.workdir, "/dev/shm"):
+            cmd += ["--size", tmpfs_bytes, "--perms", "1777", "--tmpfs", dest]
+    if fds.seccomp_fd is not None:
+        cmd += ["--seccomp", str(fds.seccomp_fd)]
+    cmd += ["--chdir", config.workdir, "--clearenv"]
     for key, value in sandbox_env(config).items():
         cmd += ["--setenv", key, value]
-    cmd += ["--"] + bootstrap_args(config, uid, layout, config.workdir)
-    return cmd
+    # bwrap loads the filter itself, so the bootstrap gets none to load.
+    inner_fds = LaunchFds(fds.status_fd)
+    return cmd + ["--"] + bootstrap_args(config, uid, layout, config.workdir, inner_fds)
 
 
-def unshare_command(config: SandboxConfig, uid: int | None) -> list[str]:
+def bwrap_command(config: SandboxConfig, uid: int | None, fds: LaunchFds) -> list[str]:
+    """bwrap, started (as root) from a shell in a private mount namespace that stages the tmpfs and venv."""
+    layout = interpreter_layout(config.python_executable, config.venv_mount)
+    if os.geteuid() != 0:
+        return _bwrap_args(config, uid, layout, fds, staged=False)
+    lines = _staging_lines(config, layout)
+    lines.append('exec "$@"')
+    return ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", "\n".join(lines),
+            "arpo-sandbox"] + _bwrap_args(config, uid, layout, fds, staged=True)
+
+
+def unshare_command(config: SandboxConfig, uid: int | None, fds: LaunchFds) -> list[str]:
     """util-linux ``unshare`` + a root shell that assembles the same view under a tmpfs and chroots into it.
 
     Weaker than bwrap in one respect: chroot instead of pivot_root (the bootstrap drops root before user
     code runs, and non-root cannot chroot, so the host root is not reachable).
     """
     layout = interpreter_layout(config.python_executable, config.venv_mount)
-    tmpfs_mb = int(config.tmpfs_size_mb)
-    root = "/mnt"  # any existing dir; the tmpfs over it exists only in this private mount namespace
+    root = f"{STAGING}/root"  # outside it stay the staging mounts, which mountinfo in the chroot skips
     q = shlex.quote
-    # Any failure before the final exec leaves the marker the executor reports as a sandbox error.
-    lines = ["set -eu", "trap 'echo \"ARPO_SANDBOX_SETUP_FAILED: namespace setup failed\" >&2' EXIT",
-             f"mount -t tmpfs -o mode=0755,size=64m,nosuid,nodev sandboxroot {root}"]
+    # Any failure before the final exec ends the call before the bootstrap reports "ready": a setup failure.
+    lines = _staging_lines(config, layout)
+    lines += [f"mkdir {root}", f"mount -t tmpfs -o mode=0755,size=1m,nr_inodes=4096,nosuid,nodev sandboxroot {root}"]
 
-    def bind(source: str, dest: str) -> None:
-        kind = "-d" if os.path.isdir(source) else "-f"
+    def bind(source: str, dest: str, host_path: str | None = None) -> None:
+        kind = "-d" if os.path.isdir(host_path or source) else "-f"
         target = q(root + dest)
         lines.append(f"mkdir -p {target}" if kind == "-d" else
                      f"mkdir -p {q(os.path.dirname(root + dest))} && touch {target}")
@@ -190,19 +251,18 @@ def unshare_command(config: SandboxConfig, uid: int | None) -> list[str]:
     for path in ETC_FILES:
         if os.path.exists(path):
             bind(path, path)
-    for source, dest in _interpreter_binds(layout, config):
-        bind(source, dest)
+    for (source, dest), (host_source, _) in zip(_interpreter_binds(layout, config, f"{STAGING}/venv"),
+                                                _interpreter_binds(layout, config)):
+        bind(source, dest, host_source)
     lines.append(f"mkdir -p {root}/proc {root}/dev && mount -t proc -o nosuid,nodev,noexec proc {root}/proc")
-    lines.append(f"mount -t tmpfs -o mode=0755,size=1m,nosuid sandboxdev {root}/dev")
+    lines.append(f"mount -t tmpfs -o mode=0755,size=1m,nr_inodes=64,nosuid sandboxdev {root}/dev")
     for dev in DEVICES:
         lines.append(f"touch {root}/dev/{dev} && mount --bind /dev/{dev} {root}/dev/{dev}")
-    for path in ("/tmp", config.workdir):
-        lines.append(f"mkdir -p {q(root + path)} && mount -t tmpfs -o mode=1777,size={tmpfs_mb}m,nosuid,nodev "
-                     f"sandboxtmp {q(root + path)}")
+    for name, dest in (("tmp", "/tmp"), ("work", config.workdir), ("shm", "/dev/shm")):
+        lines.append(f"mkdir -p {q(root + dest)} && mount --move {STAGING}/{name} {q(root + dest)}")
     lines.append("hostname sandbox 2>/dev/null || true")
-    lines.append("trap - EXIT")
     env_args = " ".join(q(f"{k}={v}") for k, v in sandbox_env(config).items())
-    inner = " ".join(q(a) for a in bootstrap_args(config, uid, layout, config.workdir))
+    inner = " ".join(q(a) for a in bootstrap_args(config, uid, layout, config.workdir, fds))
     lines.append(f"cd / && exec chroot {root} /usr/bin/env -i {env_args} {inner}")
     # Nothing may outlive the caller: setpriv gives unshare a parent-death SIGKILL (kept across its exec; a
     # killed caller never gets to kill the session itself), and --kill-child passes it on to the namespace's
@@ -212,20 +272,30 @@ def unshare_command(config: SandboxConfig, uid: int | None) -> list[str]:
             "--propagation", "private", "--", "/bin/sh", "-c", "\n".join(lines)]
 
 
-def command_for(mode: str, config: SandboxConfig, uid: int | None) -> list[str]:
+def joining_cgroup(cmd: list[str], procs_files: tuple[str, ...]) -> list[str]:
+    """``cmd`` started by a shell that first moves itself into the call's cgroup(s), so that everything the
+    call starts is inside from its first instruction (Popen cannot place a child in a cgroup itself)."""
+    if not procs_files:
+        return cmd
+    joins = " && ".join(f"echo $$ > {shlex.quote(path)}" for path in procs_files)
+    return ["/bin/sh", "-c", f'{joins} && exec "$@"', "arpo-sandbox"] + cmd
+
+
+def command_for(mode: str, config: SandboxConfig, uid: int | None, fds: LaunchFds) -> list[str]:
     """The launcher command line for a namespaced mode (``bwrap`` or ``unshare``)."""
     if mode == "bwrap":
-        return bwrap_command(config, uid)
+        return joining_cgroup(bwrap_command(config, uid, fds), fds.cgroup_procs)
     if mode == "unshare":
-        return unshare_command(config, uid)
+        return joining_cgroup(unshare_command(config, uid, fds), fds.cgroup_procs)
     raise ValueError(f"no namespaced command for isolation mode {mode!r}")
 
 
-def unsandboxed_command(config: SandboxConfig, uid: int | None, host_workdir: str) -> list[str]:
-    """The host interpreter itself, limits and uid drop only (``isolation: none``)."""
+def unsandboxed_command(config: SandboxConfig, uid: int | None, host_workdir: str, fds: LaunchFds) -> list[str]:
+    """The host interpreter itself, limits, filter and uid drop only (``isolation: none``)."""
     layout = interpreter_layout(config.python_executable, config.venv_mount)
-    return [os.path.abspath(config.python_executable)] + bootstrap_args(config, uid, layout, host_workdir,
-                                                                                 inside=False)[1:]
+    cmd = [os.path.abspath(config.python_executable)] + bootstrap_args(config, uid, layout, host_workdir, fds,
+                                                                       inside=False)[1:]
+    return joining_cgroup(cmd, fds.cgroup_procs)
 
 
 def tool_available(mode: str) -> bool:

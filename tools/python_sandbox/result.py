@@ -50,6 +50,9 @@ class SandboxResult:
     timeout_s: float = 0.0
     cpu_time_s: float = 0.0
     max_output_chars: int = 4096
+    call_memory_mb: int = 0  # the whole call's memory limit
+    memory_peak_mb: float | None = None  # highest memory use of the whole call (None: no cgroup to ask)
+    oom_kills: int = 0  # processes the kernel killed for exceeding the call's memory limit
 
     @property
     def ok(self) -> bool:
@@ -71,7 +74,9 @@ class SandboxResult:
             return truncate_text(f"Error: the Python sandbox could not run this code: {self.error}",
                                  limit, keep="head")[0]
         if self.ok:
-            return truncate_text(self.stdout.strip(), limit, keep="head")[0]
+            text = truncate_text(self.stdout.strip(), limit, keep="head")[0]
+            # Children killed for memory while the main process carried on: say why they died.
+            return f"{text}\n{self._memory_note()}".strip() if self.oom_kills else text
         if self.output_limit_exceeded:
             text, _ = truncate_text(self.stdout.strip(), limit, keep="head")
             return (f"{text}\n[execution stopped: the program wrote more than the output limit]").strip()
@@ -87,8 +92,14 @@ class SandboxResult:
             body = f"{body}\n{note}".strip()
         return body or f"Error: the program exited with status {self.exit_code} and printed no error."
 
+    def _memory_note(self) -> str:
+        return (f"Killed: {self.oom_kills} process(es) of this program exceeded the memory limit of "
+                f"{self.call_memory_mb} MiB that all its processes share.")
+
     def _death_note(self) -> str:
         name = self.killed_by
+        if self.oom_kills:
+            return self._memory_note()
         if name == "SIGXCPU":
             return f"Killed: the program used more than its CPU time limit of {self.cpu_time_s:g} seconds."
         if name == "SIGKILL":
