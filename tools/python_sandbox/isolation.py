@@ -147,29 +147,25 @@ def _parents_to_create(dests: list[str]) -> list[str]:
     return parents
 
 
-def _tmpfs_options(config: SandboxConfig, mode: str = "1777") -> str:
-    return (f"mode={mode},size={int(config.tmpfs_size_mb)}m,nr_inodes={int(config.tmpfs_max_files)},"
-            "nosuid,nodev")
+def _staging_lines(config: SandboxConfig, layout: InterpreterLayout, cgroup_procs: tuple[str, ...] = ()) -> list[str]:
+    """Shell lines (run as root in a private mount namespace) that prepare the writable dirs and the venv.
 
-
-def _staging_lines(config: SandboxConfig, layout: InterpreterLayout) -> list[str]:
-    """Shell lines (run as root in a private mount namespace) that prepare the writable tmpfs and the venv.
-
-    The writable tmpfs get an inode limit here because bwrap 0.8 can set only their size. The venv is shown
-    through a read-only overlay: a bind mount's root field in /proc/*/mountinfo names its host path (the
-    project's location); an overlay's root is "/" and its options name only the staging dir.
+    One tmpfs holds the working dir, /tmp and /dev/shm, limited in size and inodes here because bwrap 0.8
+    can set only a size (each mount is one more process to start, so there is one). The venv is shown
+    through a read-only overlay whose layer is named relative to its own dir: a bind mount's root field in
+    /proc/*/mountinfo would name the venv's host path (the project's location); the overlay shows
+    ``/`` and ``lowerdir=.``.
     """
     q = shlex.quote
-    lines = ["set -eu",
-             f"mount -t tmpfs -o mode=0755,size=1m,nr_inodes=64,nosuid,nodev arpostage {STAGING}",
-             f"mkdir {STAGING}/work {STAGING}/tmp {STAGING}/shm"]
-    for name in ("work", "tmp", "shm"):
-        lines.append(f"mount -t tmpfs -o {_tmpfs_options(config)} sandboxtmp {STAGING}/{name}")
+    lines = ["set -eu"] + [f"echo $$ > {q(path)}" for path in cgroup_procs]
+    lines.append(f"mount -t tmpfs -o mode=0755,size={int(config.tmpfs_size_mb)}m,"
+                 f"nr_inodes={int(config.tmpfs_max_files)},nosuid,nodev sandboxtmp {STAGING}")
+    dirs = ["work", "tmp", "shm"] + (["venv", "empty"] if layout.venv_prefix is not None else [])
+    lines.append("mkdir -m 1777 " + " ".join(f"{STAGING}/{name}" for name in dirs))
     if layout.venv_prefix is not None:
-        lines += [f"mkdir {STAGING}/venv-src {STAGING}/empty {STAGING}/venv",
-                  f"mount --bind -o ro {q(layout.venv_prefix)} {STAGING}/venv-src",
-                  f"mount -t overlay -o ro,lowerdir={STAGING}/venv-src:{STAGING}/empty overlay {STAGING}/venv "
-                  f"|| mount --bind -o ro {q(layout.venv_prefix)} {STAGING}/venv"]
+        lines.append(f"cd {q(layout.venv_prefix)} && mount -t overlay -o ro,lowerdir=.:{STAGING}/empty overlay "
+                     f"{STAGING}/venv || mount --bind -o ro {q(layout.venv_prefix)} {STAGING}/venv")
+        lines.append("cd /")
     return lines
 
 
@@ -216,8 +212,8 @@ def bwrap_command(config: SandboxConfig, uid: int | None, fds: LaunchFds) -> lis
     """bwrap, started (as root) from a shell in a private mount namespace that stages the tmpfs and venv."""
     layout = interpreter_layout(config.python_executable, config.venv_mount)
     if os.geteuid() != 0:
-        return _bwrap_args(config, uid, layout, fds, staged=False)
-    lines = _staging_lines(config, layout)
+        return joining_cgroup(_bwrap_args(config, uid, layout, fds, staged=False), fds.cgroup_procs)
+    lines = _staging_lines(config, layout, fds.cgroup_procs)
     lines.append('exec "$@"')
     return ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", "\n".join(lines),
             "arpo-sandbox"] + _bwrap_args(config, uid, layout, fds, staged=True)
@@ -259,7 +255,7 @@ def unshare_command(config: SandboxConfig, uid: int | None, fds: LaunchFds) -> l
     for dev in DEVICES:
         lines.append(f"touch {root}/dev/{dev} && mount --bind /dev/{dev} {root}/dev/{dev}")
     for name, dest in (("tmp", "/tmp"), ("work", config.workdir), ("shm", "/dev/shm")):
-        lines.append(f"mkdir -p {q(root + dest)} && mount --move {STAGING}/{name} {q(root + dest)}")
+        lines.append(f"mkdir -p {q(root + dest)} && mount --bind {STAGING}/{name} {q(root + dest)}")
     lines.append("hostname sandbox 2>/dev/null || true")
     env_args = " ".join(q(f"{k}={v}") for k, v in sandbox_env(config).items())
     inner = " ".join(q(a) for a in bootstrap_args(config, uid, layout, config.workdir, fds))
@@ -284,7 +280,7 @@ def joining_cgroup(cmd: list[str], procs_files: tuple[str, ...]) -> list[str]:
 def command_for(mode: str, config: SandboxConfig, uid: int | None, fds: LaunchFds) -> list[str]:
     """The launcher command line for a namespaced mode (``bwrap`` or ``unshare``)."""
     if mode == "bwrap":
-        return joining_cgroup(bwrap_command(config, uid, fds), fds.cgroup_procs)
+        return bwrap_command(config, uid, fds)
     if mode == "unshare":
         return joining_cgroup(unshare_command(config, uid, fds), fds.cgroup_procs)
     raise ValueError(f"no namespaced command for isolation mode {mode!r}")
