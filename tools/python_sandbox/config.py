@@ -28,8 +28,8 @@ class SandboxConfig:
     call_memory_mb: int = 2048  # all processes + tmpfs files + kernel memory of one call together (cgroup)
     max_file_size_mb: int = 16  # RLIMIT_FSIZE: largest file the program may write
     max_open_files: int = 256  # RLIMIT_NOFILE
-    tmpfs_size_mb: int = 64  # size of each private tmpfs (the working dir, /tmp and /dev/shm)
-    tmpfs_max_files: int = 10000  # inodes (files + dirs) of each private tmpfs
+    tmpfs_size_mb: int = 64  # the tmpfs holding the working dir, /tmp and /dev/shm (non-root bwrap: each)
+    tmpfs_max_files: int = 10000  # inodes (files + dirs) of that tmpfs (as root; bwrap 0.8 cannot set them)
     max_output_chars: int = 4096  # model text is cut to this many characters, with a visible marker
     max_capture_bytes: int = 1 << 20  # per stream; beyond it the program is stopped (huge-output guard)
     # --- isolation ----------------------------------------------------------------------------

@@ -2,9 +2,9 @@
 
 Both build the same view: a new network (loopback only, nothing listening), PID, IPC, UTS and mount
 namespace whose root is an empty tmpfs holding read-only binds of the system dirs (/usr, /bin, /lib*), the
-interpreter's installation, and a virtualenv remounted at ``venv_mount``; a fresh /proc, a minimal /dev,
-and three private tmpfs limited in size and inodes: the working dir, /tmp and /dev/shm. Nothing else of the host (/root, /home,
-/work, /etc, the host /tmp, sockets under /run) exists inside.
+interpreter's installation, and a virtualenv shown at ``venv_mount``; a fresh /proc, a minimal /dev, and a
+private tmpfs limited in size and inodes holding the working dir, /tmp and /dev/shm. Nothing else of the
+host (/root, /home, /work, /etc, the host /tmp, sockets under /run) exists inside.
 """
 
 from __future__ import annotations
