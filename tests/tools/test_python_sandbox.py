@@ -7,7 +7,6 @@ processes, the test process itself). The battery runs once per available isolati
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import threading
@@ -20,21 +19,13 @@ from tools.python_sandbox import SandboxConfig, SandboxPool, execute, resolve_is
 from tools.python_sandbox import executor as executor_module
 from tools.python_sandbox.tool import PythonTool, strip_code_fences
 
+from .sandbox_modes import isolation_params
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 UID_BASE = 3_100_000  # far from the default range, so stray-process checks see only this test's uids
 
 
-def _available_modes() -> list:
-    params = []
-    for mode in ("bwrap", "unshare"):
-        chosen, note = resolve_isolation(SandboxConfig(isolation=mode, uid_base=UID_BASE))
-        marks = [] if chosen == mode else [pytest.mark.skip(reason=f"{mode} unusable here: {note} "
-                                                                   "(scripts/install.sh installs bubblewrap)")]
-        params.append(pytest.param(mode, marks=marks, id=mode))
-    return params
-
-
-MODES = _available_modes()
+MODES = isolation_params(UID_BASE)
 
 
 @pytest.fixture(params=MODES)

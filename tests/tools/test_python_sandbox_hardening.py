@@ -4,7 +4,6 @@ mountinfo, and setup failures reported out of band. Real sandboxed subprocesses,
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import subprocess
@@ -15,25 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from tools.python_sandbox import SandboxConfig, execute, resolve_isolation
+from tools.python_sandbox import SandboxConfig, execute
 from tools.python_sandbox import cgroups, seccomp
 from tools.python_sandbox import executor as executor_module
 from tools.python_sandbox.isolation import interpreter_layout
 
+from .sandbox_modes import isolation_params
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 UID_BASE = 3_200_000  # apart from test_python_sandbox.py's range, so process scans see only these calls
-
-
-def _modes() -> list:
-    params = []
-    for mode in ("bwrap", "unshare"):
-        chosen, note = resolve_isolation(SandboxConfig(isolation=mode, uid_base=UID_BASE))
-        marks = [] if chosen == mode else [pytest.mark.skip(reason=f"{mode} unusable here: {note}")]
-        params.append(pytest.param(mode, marks=marks, id=mode))
-    return params
-
-
-MODES = _modes()
+MODES = isolation_params(UID_BASE)
 
 
 @pytest.fixture(params=MODES)
