@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from arpo.config import REPO_ROOT, ConfigError, load_config
 from arpo.evaluation.benchmarks import (EvalItem, encode_prompt, load_jsonl_benchmark, load_parquet_benchmark,
                                         parquet_benchmark_name)
-from arpo.evaluation.metrics import PROFILES, summarise_benchmark
+from arpo.evaluation.metrics import PROFILES, summarise_profiles
 from arpo.evaluation.prompts import PROMPT_TYPES, system_prompt
 from arpo.evaluation.records import load_run_samples, load_samples, sample_key, samples_path
 
@@ -188,16 +188,12 @@ def write_summary(run_dir: Path, meta: dict[str, Any], expected: dict[str, int] 
     """Summarise every samples file of ``run_dir`` into summary.json (``expected``: benchmark -> questions)."""
     expected = expected or {}
     profile = str(meta.get("metric_profile", "strict"))
+    threshold = float(meta.get("pass_threshold", 1.0))
     benchmarks = {}
     for bench, records in load_run_samples(run_dir).items():
         n_q = expected.get(bench)
-        threshold = float(meta.get("pass_threshold", 1.0))
-        benchmarks[bench] = summarise_benchmark(records, threshold, expected_questions=n_q,
-                                                expected_runs=int(meta["num_runs"]) if n_q is not None else None,
-                                                profile=profile)
-        # the headline accuracy under every profile, so the metric's effect is visible in the summary
-        benchmarks[bench]["acc_by_profile"] = {
-            p: summarise_benchmark(records, threshold, profile=p)["acc"] for p in PROFILES}
+        benchmarks[bench] = summarise_profiles(records, threshold, profile, expected_questions=n_q,
+                                               expected_runs=int(meta["num_runs"]) if n_q is not None else None)
     summary = {"method": meta["method"], "seed": meta["seed"], "model_path": meta["model_path"],
                "num_runs": meta["num_runs"], "metric_profile": profile, "benchmarks": benchmarks}
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")

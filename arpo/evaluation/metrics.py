@@ -31,8 +31,6 @@ PROFILE_NOTES = {
             "QA: token F1 with punctuation kept), arpo/evaluation/released_metrics.py",
     "strict": "metric profile strict: math-verify equivalence (math), SQuAD EM/F1 (QA), as the rewards grade",
 }
-#: grading metrics copied from the reward into each record's ``metrics``
-GRADE_METRICS = PROFILE_METRICS["strict"]
 #: tool-call counts per sample (``tool_calls`` of a record); ``total`` = calls that really ran
 TOOL_COUNTS = ("total", "search", "python", "refused")
 
@@ -128,6 +126,16 @@ def summarise_benchmark(records: Iterable[dict[str, Any]], pass_threshold: float
     out["finish_reasons"] = dict(Counter(str(r.get("finish_reason", "")) for r in records))
     out["response_tokens"] = mean_std([float(r.get("response_tokens", 0)) for r in records])
     return out
+
+
+def summarise_profiles(records: Sequence[dict[str, Any]], pass_threshold: float, profile: str,
+                       expected_questions: int | None = None, expected_runs: int | None = None) -> dict[str, Any]:
+    """The summary under ``profile``, plus ``acc_by_profile``: the headline accuracy under every profile, so the
+    metric's effect is visible next to the number (each profile summarised once)."""
+    check_profile(profile)
+    by_profile = {p: summarise_benchmark(records, pass_threshold, expected_questions, expected_runs, profile=p)
+                  for p in PROFILES}
+    return {**by_profile[profile], "acc_by_profile": {p: s["acc"] for p, s in by_profile.items()}}
 
 
 def _mean(values: Iterable[float]) -> float | None:

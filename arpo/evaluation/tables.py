@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from arpo.evaluation.metrics import (PROFILE_METRICS, PROFILE_NOTES, PROFILES, check_profile, mean_std,
-                                     summarise_benchmark)
+                                     summarise_benchmark, summarise_profiles)
 from arpo.evaluation.records import SAMPLES_DIR, load_run_samples, samples_path
 
 logger = logging.getLogger(__name__)
@@ -92,11 +92,9 @@ class RunResult:
     method: str
     seed: int
     run_dir: Path
-    #: benchmark (and ``bench@L<level>``) -> summary under the chosen metric profile
+    #: benchmark (and ``bench@L<level>``) -> summary under the chosen metric profile (benchmarks: with
+    #: ``acc_by_profile``, see :func:`~arpo.evaluation.metrics.summarise_profiles`)
     summaries: dict[str, dict[str, Any]] = field(default_factory=dict)
-    #: benchmark -> profile -> headline accuracy (mean over runs), for the profile comparison
-    acc_by_profile: dict[str, dict[str, float | None]] = field(default_factory=dict)
-    num_samples: dict[str, int] = field(default_factory=dict)
 
 
 def find_run_dirs(patterns: Sequence[str]) -> list[Path]:
@@ -125,10 +123,7 @@ def load_run(run_dir: Path, profile: str = "arpo") -> RunResult:
     threshold = float(meta.get("pass_threshold", 1.0))
     for bench, records in load_run_samples(run_dir).items():
         if records:
-            result.summaries[bench.lower()] = summarise_benchmark(records, threshold, profile=profile)
-            result.acc_by_profile[bench.lower()] = {
-                p: summarise_benchmark(records, threshold, profile=p)["acc"]["mean"] for p in PROFILES}
-            result.num_samples[bench.lower()] = len(records)
+            result.summaries[bench.lower()] = summarise_profiles(records, threshold, profile)
         by_level: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for r in records:
             if (r.get("meta") or {}).get("level") is not None:
@@ -339,14 +334,15 @@ def profile_rows(runs: list[RunResult]) -> list[dict[str, Any]]:
     rows = []
     for method in sorted({r.method for r in runs}):
         method_runs = [r for r in runs if r.method == method]
-        for bench in sorted({b for r in method_runs for b in r.acc_by_profile}):
-            have = [r for r in method_runs if bench in r.acc_by_profile]
-            means = {p: mean_std([r.acc_by_profile[bench][p] for r in have
-                                  if r.acc_by_profile[bench][p] is not None])["mean"] for p in PROFILES}
+        for bench in sorted({b for r in method_runs for b in r.summaries if "@" not in b}):
+            accs = [r.summaries[bench]["acc_by_profile"] for r in method_runs if bench in r.summaries]
+            means = {p: mean_std([a[p]["mean"] for a in accs if a[p]["mean"] is not None])["mean"]
+                     for p in PROFILES}
             diff = None if None in means.values() else means["strict"] - means["arpo"]
             rows.append({"method": method, "benchmark": bench, **{f"acc_{p}": means[p] for p in PROFILES},
-                         "strict_minus_arpo": diff, "seeds": len(have),
-                         "samples": sum(r.num_samples[bench] for r in have)})
+                         "strict_minus_arpo": diff, "seeds": len(accs),
+                         "samples": sum(r.summaries[bench]["num_samples"] for r in method_runs
+                                        if bench in r.summaries)})
     return rows
 
 
