@@ -25,6 +25,10 @@ $PIP install -q --no-deps -e .
 if ! command -v bwrap >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null 2>&1 || echo "warning: could not install bubblewrap; the sandbox falls back to unshare" >&2
 fi
+# libseccomp2 builds the sandbox's syscall filter (tools/python_sandbox/seccomp.py; without it calls fail closed)
+if ! ldconfig -p 2>/dev/null | grep -q "libseccomp.so.2" && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && apt-get install -y -qq libseccomp2) >/dev/null 2>&1 || echo "warning: could not install libseccomp2; set seccomp: false in configs/tools/python.yaml or install it" >&2
+fi
 "$VENV/bin/python" - <<'PY' || { echo "install check failed: 'import torch, vllm, transformers, ray' does not work in $VENV (see the error above)"; exit 1; }
 import torch, vllm, transformers, ray  # noqa: F401
 print(f"ok: torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__}, ray {ray.__version__}")
