@@ -7,6 +7,8 @@ where a round barrier costs time: every round waits for its longest segment and 
 Prints one JSON object.
 
     python experiments/bench_agent_loop.py [--prompts 16] [--n 16] [--initial 8] [--timing code|paper] [--repeats 5]
+    python experiments/bench_agent_loop.py --prompts 2 --n 4 --initial 2 --repeats 1 --response-length 256 \\
+        --tool-s 0.01                                                            # smoke: seconds
 
 The round-synchronous side is :class:`arpo.rollout.arpo_rollout.ARPORollout` (the ARPO rollout path);
 wall times are medians over ``--repeats`` alternating runs; ``mean_turn_s`` / ``mean_tool_s`` show the

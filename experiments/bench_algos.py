@@ -2,6 +2,8 @@
 
     python experiments/bench_algos.py [--groups 128 --group-size 16 --response-length 4096]
                                       [--adv-prompts 64 --adv-group-size 8] [--parts group_advantages,...]
+    python experiments/bench_algos.py --parts hard_advantage,group_advantages --groups 4 --group-size 4 \\
+        --response-length 64 --adv-prompts 4 --adv-group-size 4 --repeats 1     # smoke: seconds
 
 * hard advantage on random ARPO-like trees (every group a root plus forks), in ms per batch;
 * chunked response log-probs + entropy with a 151,936-token vocabulary vs the naive full-logits path
@@ -21,7 +23,6 @@ import time
 
 import numpy as np
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from arpo.trainer import core_algos
 from arpo.trainer.hard_advantage import compute_hard_advantage
@@ -54,6 +55,8 @@ def bench_hard(groups: int, group_size: int, t_len: int, repeats: int = 3) -> di
 
 
 def bench_logprobs(batch: int, prompt: int, response: int, chunk: int, vocab: int = 151936) -> dict:
+    from transformers import Qwen2Config, Qwen2ForCausalLM  # seconds to import: only for this part
+
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

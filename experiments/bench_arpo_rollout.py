@@ -11,12 +11,12 @@ time (requests overlap, so a round of requests costs about its longest one). ``-
 (``f() -> list[BaseTool]``) plugs in real tools; the default is two deterministic tools, instant unless
 ``--tool-latency-ms`` delays each call.
 
-Prints one JSON object: per mode the median wall time, generated tokens, tokens/s, requests, rounds,
-branches, prefix-cache hit rate overall and on the first request of each branch, time in generation vs
-tools; and for each ARPO mode its wall time over plain GRPO's (``arpo_over_single_wall``, the goal: at most
-1.1), also as ``…_paired_median``: the median over repeats of the ratio within one repeat, which a machine
-whose speed drifts between runs disturbs less, and as ``…_min``: fastest run over fastest run, which bursts of
-other load on a shared machine disturb least.
+Prints one JSON object on stdout and nothing else (logs, vLLM's included, go to stderr): per mode the median
+wall time, generated tokens, tokens/s, requests, rounds, branches, prefix-cache hit rate overall and on the first
+request of each branch, time in generation vs tools; and for each ARPO mode its wall time over plain GRPO's
+(``arpo_over_single_wall``, the goal: at most 1.1), also as ``…_paired_median``: the median over repeats of the
+ratio within one repeat, which a machine whose speed drifts between runs disturbs less, and as ``…_min``: fastest
+run over fastest run, which bursts of other load on a shared machine disturb least.
 
 Modes: ``arpo`` (the default config) and ``single`` (plain GRPO) always run; ``arpo_no_fill_prediction``
 (fills wait for the look-ahead alone: ``speculative_fill_probability: null``); ``arpo_fill_probability``
@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import importlib
 import json
+import os
 import platform
 import statistics
 import sys
@@ -224,7 +225,12 @@ def main() -> None:
     ap.add_argument("--modes", nargs="*", default=None,
                     help="subset of modes to run (arpo and single always run, single_rounds with arpo_rounds); "
                          "default: all")
-    print(json.dumps(asyncio.run(amain(ap.parse_args())), indent=2))
+    args = ap.parse_args()
+    from arpo.logging_utils import json_stdout, setup_logging
+
+    out = json_stdout()
+    setup_logging()  # console on stderr; VLLM_CONFIGURE_LOGGING=0 keeps vLLM's own stdout handler away
+    print(json.dumps(asyncio.run(amain(args)), indent=2), file=out, flush=True)
 
 
 if __name__ == "__main__":

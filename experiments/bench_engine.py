@@ -1,8 +1,12 @@
 """HF vs vLLM generation speed on the same model and prompts, in one process; prints one JSON object.
 
+Stdout carries that object and nothing else; logs (vLLM's included) go to stderr.
+
     python experiments/bench_engine.py --model outputs/models/tiny-base
     python experiments/bench_engine.py --model PATH --prompts 64 --prompt-len 256 --max-tokens 256 --repeats 3
     python experiments/bench_engine.py --model PATH --backends vllm --dtype float32,bfloat16   # one row per dtype
+    python experiments/bench_engine.py --model PATH --backends hf --prompts 2 --prompt-len 16 --max-tokens 8 \\
+        --repeats 1                                                                            # smoke: seconds
 
 Every request of a round is submitted at once (as the rollout does), sampled at temperature 1 with top-k
 logprobs (ARPO needs them for entropy), each with its own seed. Per backend: start-up seconds (engine creation,
@@ -88,6 +92,10 @@ async def main() -> None:
     ap.add_argument("--dtype", default="auto", help="engine dtype(s), comma-separated: auto | float32 | bfloat16; "
                                                      "each backend runs once per dtype (key <backend>@<dtype>)")
     args = ap.parse_args()
+    from arpo.logging_utils import json_stdout, setup_logging
+
+    out = json_stdout()
+    setup_logging()  # console on stderr
     if not (Path(args.model) / "config.json").exists():
         sys.exit(f"--model {args.model}: no HF checkpoint there; build the tiny one with `python -m arpo.models.tiny` "
                  f"or pass a checkpoint dir")
@@ -109,7 +117,7 @@ async def main() -> None:
     if "hf" in result and "vllm" in result:
         result["vllm_over_hf_tokens_per_s"] = round(result["vllm"]["median_tokens_per_s"]
                                                     / result["hf"]["median_tokens_per_s"], 2)
-    print(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1), file=out, flush=True)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Sandboxed Python throughput: calls/s for ordinary small programs at several concurrency levels.
 
     python experiments/bench_sandbox.py --calls 48 --concurrency 1 8 [--isolation bwrap] [--numpy]
+    python experiments/bench_sandbox.py --calls 4 --concurrency 1 2          # smoke: a second or two
 
-Prints one JSON object. Each call is a fresh interpreter in fresh namespaces, so this measures the whole
+Prints one JSON object on stdout and nothing else (without a usable sandbox: the report with no ``runs``, the
+reason on stderr, exit status 1). Each call is a fresh interpreter in fresh namespaces, so this measures the whole
 per-call cost (namespace setup, interpreter start, the program, teardown).
 """
 
@@ -62,14 +64,15 @@ def main() -> None:
     mode, note = resolve_isolation(config)
     report = {"isolation": mode, "isolation_note": note or None, "cpu_count": os.cpu_count(),
               "python": platform.python_version(), "runs": []}
-    if mode is None:
-        print(json.dumps(report, indent=2))
-        raise SystemExit(f"no sandbox mechanism available: {note}")
-    for concurrency in args.concurrency:
-        report["runs"].append(dict(bench(concurrency, args.calls, config, PROGRAMS), programs="small"))
-        if args.numpy:
-            report["runs"].append(dict(bench(concurrency, args.calls, config, [NUMPY_PROGRAM]), programs="numpy"))
+    if mode is not None:
+        for concurrency in args.concurrency:
+            report["runs"].append(dict(bench(concurrency, args.calls, config, PROGRAMS), programs="small"))
+            if args.numpy:
+                report["runs"].append(dict(bench(concurrency, args.calls, config, [NUMPY_PROGRAM]),
+                                           programs="numpy"))
     print(json.dumps(report, indent=2))
+    if mode is None:
+        raise SystemExit(f"no sandbox mechanism available: {note}")
 
 
 if __name__ == "__main__":

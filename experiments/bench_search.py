@@ -2,6 +2,7 @@
 
     python experiments/bench_search.py                      # ~5k synthetic docs + ARPO cache if present
     python experiments/bench_search.py --docs 20000 --queries 2000 --concurrency 1 8 16
+    python experiments/bench_search.py --docs 200 --queries 20 --concurrency 1 2     # smoke: seconds
 
 Prints one JSON object: index build/load seconds and queries/s for each (corpus, path, concurrency).
 The ARPO cache is read from --arpo-cache (default ``$ARPO_SHARED_DATA`` or ``<repo>/../shared/data/arpo``);

@@ -10,9 +10,12 @@ configs/trainer/actor.yaml's (bf16, gradient checkpointing).
 Per setting: the median wall and CPU seconds (of the busiest rank) of each phase over ``--steps`` timed steps
 (after ``--warmup`` steps), and per rank the peak resident memory of each phase (VmHWM, reset before every
 phase) and of loading the model. On a machine shared with other jobs the CPU seconds are the comparable number.
-Prints one JSON object.
+Prints one JSON object on stdout and nothing else: a progress line per ``--micro`` value, logs and the Ray
+workers' output go to stderr.
 
     python experiments/bench_trainer.py                       # builds the tiny model, 2 ranks vs 1
+    python experiments/bench_trainer.py --rows 4 --prompt-len 16 --response-len 24 --settings multi --steps 1 \\
+        --warmup 0 --micro 2                                  # smoke: one step on 2 ranks (about a minute)
     python experiments/bench_trainer.py --model /tmp/smollm2-hf --rows 32 --prompt-len 120-150 \\
         --response-len 300-500 --ranks 2 --micro 1,2,4,8 --settings multi --steps 1 --warmup 0
     ... --on-policy                                           # no old-log-prob pass (one mini-batch, 1 epoch)
@@ -280,8 +283,11 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--cpus", type=int, default=os.cpu_count() or 2, help="CPUs to share among the ranks")
     args = p.parse_args()
+    from arpo.logging_utils import json_stdout, setup_logging
 
+    out = json_stdout()
     os.environ.setdefault("TQDM_DISABLE", "1")
+    setup_logging()  # console on stderr
     from transformers import AutoConfig
 
     from arpo.ray_utils import init_ray
@@ -299,7 +305,7 @@ def main() -> None:
             torch.set_num_threads(max(1, args.cpus // args.ranks))
             print(json.dumps({"bench": "trainer_numerics", "model": str(model), "rows": args.rows,
                               "sampled_response_len": args.sample,
-                              **numerics(model, batch, args.chunk, args.sample)}, indent=2))
+                              **numerics(model, batch, args.chunk, args.sample)}, indent=2), file=out, flush=True)
             return
         init_ray({"num_cpus": args.cpus, "object_store_memory": 200 * 1024 * 1024})
         for micro in (int(m) for m in args.micro.split(",")):
@@ -327,7 +333,7 @@ def main() -> None:
         "response_len": list(args.response_len),
         "on_policy": args.on_policy, "overrides": args.set, "timed_steps": args.steps, "warmup_steps": args.warmup,
         "cpu_count": os.cpu_count(), "results": results,
-    }, indent=2))
+    }, indent=2), file=out, flush=True)
 
 
 if __name__ == "__main__":

