@@ -269,6 +269,80 @@ def plot_entropy_around_tools(df: pd.DataFrame, ax: Axes | None = None, band: st
     return ax
 
 
+# ---- rollout rows: written by the trainer (trainer.rollout_data_dir) and experiments/dump_rollout_entropy.py ----
+ENTROPY_DIGITS = 5
+
+
+def json_safe(value: Any) -> Any:
+    """NaN/inf become null (json.dumps would write the invalid token NaN), numpy scalars plain Python."""
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def rollout_rows(batch: Any, data_sources: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """One JSON-ready row per trajectory of a rollout batch (``arpo.batch.DataBatch``): the fork tree, tool calls
+    and, when the rollout ran with ``return_entropy``, per-token entropy; the score and accuracy once rewarded.
+    ``data_sources`` names each prompt group's source when the batch has no ``data_source`` column."""
+    nt, t = batch.non_tensors, batch.tensors
+    scores = t["token_level_scores"].sum(-1).tolist() if "token_level_scores" in t else None
+    rows = []
+    for i in range(len(batch)):
+        group = int(nt["group_index"][i])
+        ent = nt["token_entropy"][i] if "token_entropy" in nt else None
+        length = len(ent) if ent is not None else int(t["attention_mask"][i, -t["responses"].shape[1]:].sum())
+        rows.append(json_safe({
+            "row": i, "group": group,
+            "parent_index": int(nt["parent_index"][i]), "branch_pos": int(nt["branch_pos"][i]),
+            "rollout_kind": nt["rollout_kind"][i] if "rollout_kind" in nt else None,
+            "finish_reason": nt["finish_reason"][i] if "finish_reason" in nt else None,
+            "response_length": length,
+            "model_tokens": int(t["response_mask"][i].sum()),
+            "token_entropy": None if ent is None else [round(float(v), ENTROPY_DIGITS) if v == v else None
+                                                       for v in ent],
+            "tool_calls": list(nt["tool_calls"][i]) if "tool_calls" in nt else [],
+            "data_source": data_sources[group] if data_sources is not None else str(nt["data_source"][i]),
+            "score": scores[i] if scores is not None else None,
+            "acc": float(nt["reward_acc"][i]) if "reward_acc" in nt else None,
+        }))
+    return rows
+
+
+def write_run_plots(run_dir: str | Path, rollout_dir: str | Path | None = None) -> list[Path]:
+    """The PNGs of a finished training run, under ``<run_dir>/plots``: reward, accuracy and tool-call curves
+    (``curves.png``) and, when the step rollouts in ``rollout_dir`` carry per-token entropy, the entropy around
+    tool results per tool over all steps (``entropy_around_tools.png``). Returns the files written."""
+    out = Path(run_dir) / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = load_metrics(run_dir).assign(variant=Path(run_dir).name, seed=0)
+    panels = [(m, t) for m, t in ((TRAIN_SCORE, "training reward"), (TRAIN_ACC, "training accuracy"),
+                                  (VAL_ACC, "validation accuracy"), (TOOL_CALLS_PER_TRAJ, "tool calls / trajectory"))
+              if m in metrics and metrics[m].notna().any()]
+    written = []
+    if panels:
+        axes = new_axes(ncols=len(panels), figsize=(4.5 * len(panels), 3.5))
+        for ax, (metric, title) in zip(axes, panels):
+            plot_curves(metrics, metric, ax=ax, title=title)
+            ax.get_legend() and ax.get_legend().remove()
+        written.append(out / "curves.png")
+        axes[0].figure.savefig(written[-1], dpi=100)
+    rows = [r for f in sorted(Path(rollout_dir).glob("step_*.jsonl")) for r in load_rows(f)] \
+        if rollout_dir and Path(rollout_dir).is_dir() else []
+    around = entropy_around_tool_calls(rows)
+    if len(around):
+        ax = plot_entropy_around_tools(around, title=f"token entropy around tool results ({len(rows)} training "
+                                                     f"trajectories)")
+        written.append(out / "entropy_around_tools.png")
+        ax.figure.savefig(written[-1], dpi=100)
+    return written
+
+
 # ---- rollout rows: the branch trees ---------------------------------------------------------------------
 def tree_depths(rows: Sequence[dict[str, Any]]) -> list[int]:
     """Fork depth of every row: 0 for a root, its parent's depth + 1 for a fork (parents precede children)."""

@@ -121,10 +121,34 @@ def build_rollout(cfg: DictConfig, engine: Any, tokenizer: Any, tools: Any):
         OmegaConf.to_container(cfg.agent_loop, resolve=True)), tools=list(tools.values()))
 
 
+def announce(cfg: DictConfig) -> None:
+    """Save the resolved config as ``<output_dir>/config.yaml`` and log the run's header: what is trained on what,
+    and every key that differs from ``configs/arpo_trainer.yaml``."""
+    from arpo.config import load_config
+    from arpo.console import config_diff, run_header
+
+    out = Path(cfg.trainer.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, out / "config.yaml", resolve=True)
+    r, t = cfg.actor_rollout_ref.rollout, cfg.trainer
+    fields = {
+        "model": cfg.actor_rollout_ref.model.path,
+        "train data": cfg.data.train_files, "val data": cfg.data.val_files,
+        "rollout": f"{r.mode}, n={r.n} per prompt, {cfg.data.train_batch_size} prompts per step",
+        "advantage": f"{cfg.algorithm.adv_estimator}, {cfg.algorithm.advantage_mode}",
+        "steps": t.total_training_steps or f"{t.total_epochs} epoch(s)",
+        "output": f"{out} (config.yaml, logs/arpo.log, logs/metrics.jsonl)",
+    }
+    diff = config_diff(cfg, load_config("arpo_trainer", []))
+    logger.info(run_header("ARPO training", fields, {"keys that differ from configs/arpo_trainer.yaml": diff},
+                           more_at=out / "config.yaml"))
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     from arpo.seeding import seed_everything
 
     validate_config(cfg)
+    announce(cfg)
     seed_everything(cfg.trainer.seed)
     trainer = build_trainer(cfg)
     try:
@@ -135,11 +159,25 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         trainer.close()
     out = Path(cfg.trainer.output_dir)
     gain = validation_gain(cfg.trainer.validation_data_dir, trainer.global_step)
-    summary = {"final_validation": final_val, "validation_gain": gain, "hf_model": str(export_dir),
+    plots = write_plots(out, cfg.trainer.rollout_data_dir)
+    summary = {"final_validation": final_val, "validation_gain": gain, "hf_model": str(export_dir), "plots": plots,
                "checkpoints": str(cfg.trainer.default_local_dir),
                "metrics": str(trainer.tracker.jsonl_path), "log": str(out / "logs" / "arpo.log")}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def write_plots(run_dir: Path, rollout_dir: str | None) -> str | None:
+    """``<run_dir>/plots/*.png`` (arpo.analysis.write_run_plots); a plotting failure costs the plots, not the run."""
+    from arpo.analysis import write_run_plots
+
+    try:
+        written = write_run_plots(run_dir, rollout_dir)
+    except Exception:  # noqa: BLE001 - the trained model and metrics are already saved
+        logger.exception("writing the run's plots failed; metrics are in %s", run_dir / "logs" / "metrics.jsonl")
+        return None
+    logger.info("plots: %s", ", ".join(str(p) for p in written))
+    return str(run_dir / "plots") if written else None
 
 
 def validation_gain(folder: str | None, last_step: int, confidence: float = 0.95) -> dict[str, Any] | None:

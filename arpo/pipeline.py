@@ -33,6 +33,7 @@ from arpo.config import ConfigError, config_dir, load_config
 logger = logging.getLogger(__name__)
 
 TINY = "tiny"
+STAGES = ("data", "base_model", "sft", "rl")
 #: Top-level config keys owned by each stage (``synthetic.*`` reaches every stage: it locates the data).
 STAGE_KEYS = {
     "synthetic_data": {"synthetic"},
@@ -118,24 +119,29 @@ class Pipeline:
         source = Path(self.preset.base_model).expanduser()
         return source if source.is_dir() else self.paths["base_model"]
 
-    def _timed(self, name: str, fn) -> None:
+    def _stage(self, index: int, name: str, output: Path, done: bool, fn) -> None:
+        """Run one stage (or say why it is skipped) between a start line and a done line with its time."""
+        prefix = f"[{index}/{len(STAGES)}] {name}"
+        if done and not self.force:
+            logger.info("%s: %s exists, skipped", prefix, output)
+            return
+        logger.info("%s -> %s", prefix, output)
         start = time.time()
         fn()
         self.timings[f"{name}_s"] = round(time.time() - start, 1)
+        logger.info("%s done in %.0f s", prefix, self.timings[f"{name}_s"])
 
     def build_base_and_sft(self) -> dict[str, Path]:
         """Data, base model and SFT stages; returns their paths."""
         from arpo.sft import run_sft
 
-        if self.force or not (self.paths["data"] / "train.parquet").exists():
-            self._timed("data", self._generate_data)
-        if self.force or not (self.base_model_dir / "config.json").exists():
-            self._timed("base_model", self._build_base)
-        if self.force or not (self.paths["sft_model"] / "model.safetensors").exists():
-            self._timed("sft", lambda: run_sft(self.config("sft")))
-        if self.timings:
-            logger.info("stage timings: %s", json.dumps(self.timings))
-        return {"data": self.paths["data"], "base_model": self.base_model_dir, "sft_model": self.paths["sft_model"]}
+        p = self.paths
+        self._stage(1, "data", p["data"], (p["data"] / "train.parquet").exists(), self._generate_data)
+        self._stage(2, "base_model", self.base_model_dir, (self.base_model_dir / "config.json").exists(),
+                    self._build_base)
+        self._stage(3, "sft", p["sft_model"], (p["sft_model"] / "model.safetensors").exists(),
+                    lambda: run_sft(self.config("sft")))
+        return {"data": p["data"], "base_model": self.base_model_dir, "sft_model": p["sft_model"]}
 
     def _generate_data(self) -> None:
         from arpo.data.synthetic import generate
@@ -160,9 +166,8 @@ class Pipeline:
         """The ARPO training stage on the SFT model (resumes from its own checkpoints if interrupted)."""
         from arpo.main_arpo import run
 
-        start = time.time()
-        summary = run(self.config("arpo_trainer"))
-        self.timings["rl_s"] = round(time.time() - start, 1)
+        summary: dict = {}
+        self._stage(4, "rl", self.paths["rl"], False, lambda: summary.update(run(self.config("arpo_trainer"))))
         return summary
 
 
@@ -172,8 +177,24 @@ def build_base_and_sft(root: str | Path, force: bool = False, overrides: list[st
     return Pipeline(root, preset, overrides, force).build_base_and_sft()
 
 
+def final_summary(summary: dict, root: Path) -> str:
+    """The lines closing a pipeline run: where things are, what each stage took, validation before/after."""
+    t = summary["stage_timings_s"]
+    stages = ", ".join(f"{k[:-2]} {v:.0f} s" for k, v in t.items())
+    lines = [f"pipeline finished in {summary['wall_s']:.0f} s" + (f": {stages}" if stages else ""),
+             f"  outputs   {root} (summary.json, models/, rl/)"]
+    if summary.get("hf_model"):
+        lines.append(f"  RL model  {summary['hf_model']}")
+    if summary.get("plots"):
+        lines.append(f"  plots     {summary['plots']}")
+    return "\n".join(lines)
+
+
 def main() -> None:
-    from arpo.logging_utils import setup_logging
+    import os
+
+    from arpo.console import run_header
+    from arpo.logging_utils import ENGINE_LOGS_ENV, setup_logging
     from arpo.main_arpo import describe_gain
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -181,14 +202,25 @@ def main() -> None:
     parser.add_argument("--output-dir", default=None, help="default: the preset's output_dir")
     parser.add_argument("--force", action="store_true", help="rerun every stage even if its output exists")
     parser.add_argument("--skip-rl", action="store_true", help="stop after the SFT stage")
+    parser.add_argument("--show-engine-logs", action="store_true",
+                        help=f"show vLLM / Ray / worker logs live (default: only in <output-dir>/logs; same as "
+                             f"{ENGINE_LOGS_ENV}=console)")
     args, overrides = parser.parse_known_args()
+    if args.show_engine_logs:
+        os.environ[ENGINE_LOGS_ENV] = "console"
+    # transformers' weight-loading bars (one per load, several per stage) follow huggingface_hub's switch.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     preset = Preset.load(args.preset)
     root = Path(args.output_dir or preset.output_dir)
     setup_logging(root / "logs")
     start = time.time()
     pipeline = Pipeline(root, preset, overrides, args.force)
-    for k, p in pipeline.build_base_and_sft().items():
-        print(f"{k}: {p}")
+    logger.info(run_header(f"ARPO pipeline, preset {preset.name}", {
+        "base model": pipeline.preset.base_model, "output": root,
+        "stages": " -> ".join(STAGES[:-1] if args.skip_rl else STAGES),
+        "logs": f"{root / 'logs'} (engine and worker output too, unless --show-engine-logs)"},
+        {"overrides (the preset's, then the command line's)": pipeline.overrides}))
+    pipeline.build_base_and_sft()
     summary: dict = {"preset": preset.name, "base_model": preset.base_model, "overrides": pipeline.overrides}
     if not args.skip_rl:
         from arpo.ray_utils import stop_ray
@@ -199,8 +231,7 @@ def main() -> None:
     summary["stage_timings_s"] = pipeline.timings
     summary["wall_s"] = round(time.time() - start, 1)
     (root / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary, indent=2))
-    print(f"pipeline finished in {time.time() - start:.0f} s; outputs under {root}")
+    print(final_summary(summary, root))
     gain = summary.get("validation_gain")
     if gain:
         print(describe_gain(gain))

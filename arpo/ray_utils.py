@@ -60,8 +60,14 @@ def init_ray(cfg: Any = None) -> None:
     # machine needs longer (measured here: 15-25 s under load).
     os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
     address = section.get("address")
+    runtime_env, log_to_driver = _worker_logging()
+    if not log_to_driver:  # Ray's own console handler (installed at import) would print around our filter
+        from arpo.logging_utils import adopt_library_logger
+
+        adopt_library_logger("ray")
     if address:
-        ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
+        ray.init(address=address, ignore_reinit_error=True, log_to_driver=log_to_driver, runtime_env=runtime_env,
+                 configure_logging=log_to_driver)
         logger.info("joined ray cluster at %s: %s", address, ray.cluster_resources())
         return
     temp_dir = section.get("temp_dir") or os.path.join(tempfile.gettempdir(), "ray")
@@ -73,11 +79,13 @@ def init_ray(cfg: Any = None) -> None:
         _node_ip_address="127.0.0.1",
         _temp_dir=os.path.abspath(temp_dir),
         ignore_reinit_error=True,
-        log_to_driver=True,
+        log_to_driver=log_to_driver,
+        configure_logging=log_to_driver,
     )
     # Workers must import this checkout's code, not whatever `arpo` the venv's editable install points at.
     python_path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": python_path}}
+    runtime_env["env_vars"]["PYTHONPATH"] = python_path
+    kwargs["runtime_env"] = runtime_env
     if section.get("num_gpus") is not None:
         kwargs["num_gpus"] = section["num_gpus"]
     for attempt in range(1, _START_ATTEMPTS + 1):
@@ -92,6 +100,19 @@ def init_ray(cfg: Any = None) -> None:
             logger.warning("ray start attempt %d/%d timed out (busy machine?); retrying", attempt, _START_ATTEMPTS)
             ray.shutdown()
     logger.info("ray started: %s", ray.cluster_resources())
+
+
+def _worker_logging() -> tuple[dict[str, Any], bool]:
+    """The job's runtime env for workers' logging, and whether Ray forwards workers' output to this console:
+    once the driver logs to a run folder, workers write there (``setup_worker_logging``) and nothing is forwarded
+    unless engine logs are shown live."""
+    from arpo.logging_utils import ENGINE_LOGS_ENV, LOG_DIR_ENV, engine_logs_live
+
+    log_dir = os.environ.get(LOG_DIR_ENV)
+    if not log_dir or engine_logs_live():
+        return {"env_vars": {}}, True
+    env = {LOG_DIR_ENV: log_dir, ENGINE_LOGS_ENV: os.environ.get(ENGINE_LOGS_ENV, "file")}
+    return {"env_vars": env, "worker_process_setup_hook": "arpo.logging_utils.setup_worker_logging"}, False
 
 
 def stop_ray() -> None:

@@ -1,7 +1,8 @@
 """Experiment tracking through one object: wandb (offline by default), a JSONL file, and the console.
 
 Metric names follow verl (``actor/pg_loss``, ``critic/score/mean`` …) so plots and notebooks written for verl
-read our logs unchanged. The JSONL file is the source of truth for notebooks and tables; wandb is optional.
+read our logs unchanged. The JSONL file is the source of truth for notebooks and tables; wandb is optional; the
+console gets one concise line per step (:func:`arpo.console.step_line`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class Tracking:
         self.jsonl_path = self.log_dir / "metrics.jsonl"
         self._jsonl = self.jsonl_path.open("a") if "jsonl" in self.backends else None
         self._wandb = None
+        #: shown as ``step k/total`` on the console once the trainer knows it
+        self.total_steps: int | None = None
         if "wandb" in self.backends:
             import wandb
 
@@ -56,8 +59,10 @@ class Tracking:
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in clean.items() if v is not None}, step=step)
         if "console" in self.backends:
-            shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(clean.items()))
-            logger.info("step %d: %s", step, shown)
+            from arpo.console import step_line, validation_line
+
+            trained = any(k.startswith(("critic/", "actor/")) for k in clean)
+            logger.info(step_line(step, clean, self.total_steps) if trained else validation_line(step, clean))
 
     def finish(self) -> None:
         if self._jsonl is not None:

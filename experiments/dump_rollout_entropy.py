@@ -17,53 +17,12 @@ import argparse
 import asyncio
 import json
 import logging
-import math
 from pathlib import Path
 from typing import Any, Sequence
 
 logger = logging.getLogger("arpo.dump_rollout_entropy")
 
 #: digits kept of each token entropy (enough for plots; keeps committed dumps small)
-ENTROPY_DIGITS = 5
-
-
-def _clean(value: Any) -> Any:
-    """JSON-safe: NaN/inf become null (json.dumps would write the invalid token NaN), numpy scalars plain."""
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    if hasattr(value, "item"):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-def rows_of(batch: Any, data_sources: Sequence[str]) -> list[dict[str, Any]]:
-    """One JSON-ready row per trajectory of a rollout batch made with ``return_entropy``."""
-    nt = batch.non_tensors
-    resp_mask = batch.tensors["response_mask"]
-    rows = []
-    for i in range(len(batch)):
-        group = int(nt["group_index"][i])
-        ent = nt["token_entropy"][i]
-        rows.append(_clean({
-            "row": i,
-            "group": group,
-            "parent_index": int(nt["parent_index"][i]),
-            "branch_pos": int(nt["branch_pos"][i]),
-            "rollout_kind": nt["rollout_kind"][i] if "rollout_kind" in nt else None,
-            "finish_reason": nt["finish_reason"][i],
-            "response_length": len(ent),
-            "model_tokens": int(resp_mask[i].sum()),
-            "token_entropy": [round(float(v), ENTROPY_DIGITS) if v == v else None for v in ent],
-            "tool_calls": list(nt["tool_calls"][i]),
-            "data_source": data_sources[group],
-        }))
-    return rows
-
-
 def dump(model: str, data: str, out: str, split: str = "test", limit: int = 64, n: int | None = None,
          initial: int | None = None, backend: str = "vllm", overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Roll out the first ``limit`` prompts of ``split``, write the rows to ``out``; returns the rollout's
@@ -71,6 +30,7 @@ def dump(model: str, data: str, out: str, split: str = "test", limit: int = 64, 
     import pandas as pd
     from transformers import AutoTokenizer
 
+    from arpo.analysis import rollout_rows
     from arpo.config import load_config
     from arpo.engine.factory import create_engine
     from arpo.main_arpo import build_rollout
@@ -101,7 +61,7 @@ def dump(model: str, data: str, out: str, split: str = "test", limit: int = 64, 
         tools.close()
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = rows_of(batch, list(df.data_source))
+    rows = rollout_rows(batch, list(df.data_source))
     with path.open("w") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
     logger.info("wrote %d rollout rows to %s", len(rows), path)
@@ -127,13 +87,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     jobs = json.loads(Path(args.jobs).read_text()) if args.jobs else [{"model": args.model, "out": args.out}]
     from tqdm import tqdm
 
+    from arpo.analysis import json_safe
     from arpo.logging_utils import setup_logging
 
     setup_logging()
     for job in tqdm(jobs, desc="dump rollouts", unit="model", disable=len(jobs) < 2):
         result = dump(job["model"], args.data, job["out"], args.split, args.limit, args.n, args.initial,
                       args.backend, [*args.overrides, *job.get("overrides", [])])
-        print(json.dumps(_clean(result)), flush=True)
+        print(json.dumps(json_safe(result)), flush=True)
 
 
 if __name__ == "__main__":

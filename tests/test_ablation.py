@@ -140,6 +140,9 @@ def test_smoke_advantage_suite_writes_results_and_skips_finished_runs(smoke_abla
         assert (runs / "advantage" / variant / "seed3" / "checkpoints").is_dir()  # checkpoints stay out of --out
         dump = [json.loads(line) for line in (out / "rollouts" / f"{variant}.jsonl").read_text().splitlines()]
         assert len(dump) == ablation.SMOKE_DUMP_PROMPTS * 4 and all("token_entropy" in r for r in dump)
+    # the dump's engine is shut down explicitly: no AsyncLLM.__del__ traceback at interpreter exit
+    dump_log = (runs / "advantage" / "logs" / "dump_rollouts.log").read_text()
+    assert '"rows": ' in dump_log and "Traceback" not in dump_log
     for png in ("reward_curves.png", "entropy_around_tools.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({png})" in readme
     assert "forks / group" in readme

@@ -11,6 +11,7 @@ from arpo.logging_utils import setup_logging
 @pytest.mark.parametrize("vllm_configured_first", [False, True])
 def test_engine_info_reaches_the_file_but_not_the_console(tmp_path, capsys, monkeypatch, vllm_configured_first):
     monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
+    monkeypatch.setenv("ARPO_LOG_DIR", str(tmp_path))  # restored after: setup_logging points workers here
     vllm_logger = logging.getLogger("vllm")
     monkeypatch.setattr(vllm_logger, "handlers", [])
     monkeypatch.setattr(vllm_logger, "propagate", True)
@@ -38,8 +39,29 @@ def test_engine_info_reaches_the_file_but_not_the_console(tmp_path, capsys, monk
         assert "engine slow" in logged and "engine slow" in console
         assert "step 1" in logged and "step 1" in console
     finally:
-        for h in list(root.handlers):
-            root.removeHandler(h)
-            h.close()
-        for h in before:
-            root.addHandler(h)
+        _restore(root, before)
+
+
+def _restore(root, before):
+    for h in list(root.handlers):
+        root.removeHandler(h)
+        h.close()
+    for h in before:
+        root.addHandler(h)
+
+
+def test_engine_logs_shown_live_on_request(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("ARPO_ENGINE_LOGS", "console")
+    monkeypatch.setenv("ARPO_LOG_DIR", str(tmp_path))
+    root = logging.getLogger()
+    before = list(root.handlers)
+    for h in before:
+        root.removeHandler(h)
+    try:
+        setup_logging(tmp_path, filename="run.log")
+        logging.getLogger("vllm.engine").info("KV cache 4 GiB")
+        logging.getLogger("bm25s").debug("index internals")  # below the console's level either way
+        captured = capsys.readouterr()
+        assert "KV cache 4 GiB" in captured.err and "index internals" not in captured.err
+    finally:
+        _restore(root, before)

@@ -74,3 +74,16 @@ def test_real_model_preset_end_to_end_smoke(smollm2_truncated_dir, tmp_path):
     step = next(m for m in metrics if m.get("training/global_step") == 1)
     # The engine received the actor's weights (the probe is the engine's view after the push).
     assert "rollout/weight_sync_probe" in step and "timing_s/update_actor" in step
+    # The console: a header, stage lines, one line per step, the closing summary; no engine chatter or tracebacks
+    # (those are in the log folder), and the run's plots and step rollouts on disk.
+    console = proc.stderr + proc.stdout
+    assert "== ARPO pipeline, preset smollm2 ==" in console and "== ARPO training ==" in console
+    assert "[4/4] rl done in" in console and "pipeline finished in" in console
+    assert any("step 1/1 | reward" in line and "val_acc" in line for line in console.splitlines())
+    assert "Traceback" not in console and "Failed to load weights" not in console
+    assert "INFO worker.py" not in console and "(pid=" not in console  # Ray's banner, forwarded worker output
+    assert (out / "logs" / "workers.log").stat().st_size > 0
+    rows = [json.loads(line) for line in (out / "rl" / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 4 and all(r["token_entropy"] for r in rows)
+    plots = ["curves.png"] + (["entropy_around_tools.png"] if any(r["tool_calls"] for r in rows) else [])
+    assert sorted(p.name for p in (out / "rl" / "plots").glob("*.png")) == plots

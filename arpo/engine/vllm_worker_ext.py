@@ -9,12 +9,37 @@ head's post-load processing repacks it from the (updated) shared weight. On GPU 
 
 from __future__ import annotations
 
+import logging
+
 from arpo.engine.config import default_device
 from arpo.engine.vllm_cpu_patches import use_eager_logprob_rank
 
 # vLLM imports this module in every worker process: an engine core in its own process gets the CPU fix too.
 if default_device() == "cpu":
     use_eager_logprob_rank()
+
+
+#: the logger of vLLM's layerwise reload, which warns about the tied head on every reload
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class ReloadWarningFilter(logging.Filter):
+    """Drops the reload's "<layer>: Failed to load weights" warning for layers that never have checkpoint entries,
+    only while ``arpo_reload_weights`` runs, where it is expected and harmless (tests/engine/test_vllm_engine.py
+    checks the engine's log-probs against the new weights after a reload):
+
+    * ``ParallelLMHead`` of a model with tied embeddings: it shares the embedding's weight, and
+      ``arpo_reload_weights`` repacks it right after the reload;
+    * ``RotaryEmbedding``: its cos/sin cache is computed from the config, and the reload puts it back as it was.
+    """
+
+    def __init__(self, tied: bool):
+        super().__init__()
+        self.layers = {"RotaryEmbedding", "ParallelLMHead"} if tied else {"RotaryEmbedding"}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and len(record.args or ()) == 1
+                    and record.args[0] in self.layers)
 
 
 class ArpoWorkerExtension:
@@ -24,11 +49,18 @@ class ArpoWorkerExtension:
         """``reload_weights`` from a safetensors directory, then repack a tied LM head."""
         from vllm.config import set_current_vllm_config
 
-        self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        config = getattr(model, "config", None)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        quiet = ReloadWarningFilter(tied)
+        logging.getLogger(RELOAD_LOGGER).addFilter(quiet)
+        try:
+            self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
+        finally:
+            logging.getLogger(RELOAD_LOGGER).removeFilter(quiet)
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         lm_head = getattr(model, "lm_head", None)
-        config = getattr(model, "config", None)
         quant_method = getattr(lm_head, "quant_method", None)
-        if quant_method is not None and getattr(config, "tie_word_embeddings", False):
+        if quant_method is not None and tied:
             with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
                 quant_method.process_weights_after_loading(lm_head)

@@ -146,6 +146,7 @@ class RayARPOTrainer:
                 else:
                     batch.tensors["token_level_rewards"] = batch.tensors["token_level_scores"]
                 batch = compute_advantage(batch, cfg)
+            self._dump_rollouts(batch)
             with timer.phase("update_actor"):
                 metrics.update(self.actor_wg.update_policy(batch))
             with timer.phase("update_weights"):
@@ -224,11 +225,27 @@ class RayARPOTrainer:
                     "response": str(nt["response_text"][i])}) + "\n")
         tmp.replace(path)
 
+    def _dump_rollouts(self, batch: DataBatch) -> None:
+        """This step's trajectories under ``trainer.rollout_data_dir`` (verl's key), one JSON row each."""
+        import json
+
+        from arpo.analysis import rollout_rows
+
+        folder = self.cfg.trainer.rollout_data_dir
+        if not folder:
+            return
+        path = Path(folder) / f"step_{self.global_step + 1}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in rollout_rows(batch)))
+        tmp.replace(path)
+
     # ---- the loop ----------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
         t = self.cfg.trainer
         self.global_step = self.checkpointer.resume(self)
         total = self.total_steps()
+        self.tracker.total_steps = total
         last_val: dict[str, float] = {}
         if self.global_step == 0 and t.val_before_train:
             last_val = self.validate()
@@ -247,8 +264,6 @@ class RayARPOTrainer:
                 self.checkpointer.save(self, self.global_step)
             self.tracker.log(metrics, step=self.global_step)
             bar.update(1)
-            bar.set_postfix(score=f"{metrics.get('critic/score/mean', float('nan')):.3f}",
-                            pg_loss=f"{metrics.get('actor/pg_loss', float('nan')):.3f}")
         bar.close()
         return last_val
 
