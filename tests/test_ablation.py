@@ -176,8 +176,8 @@ from experiments import ablation
 
 def train(run):  # a training run that would take a minute
     proc = subprocess.Popen(["sleep", "60"])
+    ablation._RUNNING.add(proc)  # before the pid is announced: the test's SIGTERM must find the run registered
     print(proc.pid, flush=True)
-    ablation._RUNNING.add(proc)
     try:
         return proc.wait() == 0
     finally:
