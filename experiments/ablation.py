@@ -54,6 +54,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -78,6 +79,8 @@ SMOKE_OVERRIDES = ("trainer.total_training_steps=2", "trainer.test_freq=2", "tra
 SMOKE_DUMP_PROMPTS = 4
 #: training processes in flight (stopped on Ctrl-C)
 _RUNNING: set[subprocess.Popen] = set()
+#: set before stop_running looks at _RUNNING, so a run registered after that look stops itself
+_STOPPING = threading.Event()
 #: files of a finished run copied into the results
 RUN_FILES = ("summary.json", analysis.RUN_RECORD)
 
@@ -153,6 +156,8 @@ def train(run: Run) -> bool:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         _RUNNING.add(proc)
+        if _STOPPING.is_set():  # stopped between Popen and the line above: stop_running did not see this run
+            proc.terminate()
         try:
             rc = proc.wait()
         finally:
@@ -174,6 +179,7 @@ def train(run: Run) -> bool:
 def stop_running(grace_s: float = 60.0) -> None:
     """Stop the training runs in flight with SIGTERM: Ctrl-C reaches them too, but not one whose SIGINT is
     ignored (started from a background job or nohup). A run stopped this way resumes from its last checkpoint."""
+    _STOPPING.set()
     procs = list(_RUNNING)
     for proc in procs:
         proc.terminate()
@@ -473,6 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, extra = parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)
+    _STOPPING.clear()
     from arpo.logging_utils import setup_logging
 
     setup_logging(args.runs_dir / args.suite / "logs", filename="ablation.log")
