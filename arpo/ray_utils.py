@@ -7,6 +7,7 @@ for multi-node runs instead of starting a private one).
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import tempfile
@@ -88,17 +89,23 @@ def init_ray(cfg: Any = None) -> None:
     kwargs["runtime_env"] = runtime_env
     if section.get("num_gpus") is not None:
         kwargs["num_gpus"] = section["num_gpus"]
-    for attempt in range(1, _START_ATTEMPTS + 1):
-        try:
-            ray.init(**kwargs)
-            break
-        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
-            # The raylet waits a hard-coded 15 s for its dashboard agent (a Python process) to start; on a busy
-            # machine the agent's imports take longer and the raylet aborts. A fresh start usually makes it.
-            if "timed out during startup" not in str(e) or attempt == _START_ATTEMPTS:
-                raise
-            logger.warning("ray start attempt %d/%d timed out (busy machine?); retrying", attempt, _START_ATTEMPTS)
-            ray.shutdown()
+    os.makedirs(kwargs["_temp_dir"], exist_ok=True)
+    # Private clusters started at once on one machine (ablation runs in parallel) start one at a time: Ray waits a
+    # hard-coded 30 s for its raylet to register, and three concurrent starts on 2 cores missed that every try.
+    with open(os.path.join(kwargs["_temp_dir"], "arpo-ray-start.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        for attempt in range(1, _START_ATTEMPTS + 1):
+            try:
+                ray.init(**kwargs)
+                break
+            except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
+                # The raylet waits a hard-coded 15 s for its dashboard agent (a Python process) to start; on a busy
+                # machine the agent's imports take longer and the raylet aborts. A fresh start usually makes it.
+                if "timed out during startup" not in str(e) or attempt == _START_ATTEMPTS:
+                    raise
+                logger.warning("ray start attempt %d/%d timed out (busy machine?); retrying", attempt,
+                               _START_ATTEMPTS)
+                ray.shutdown()
     logger.info("ray started: %s", ray.cluster_resources())
 
 
