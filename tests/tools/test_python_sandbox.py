@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -490,13 +491,13 @@ def test_nothing_outlives_a_killed_caller(mode):
     chosen, note = resolve_isolation(SandboxConfig(isolation=mode, uid_base=UID_BASE))
     if chosen != mode:
         pytest.skip(f"{mode} unusable here: {note}")
-    caller = subprocess.Popen(["python", "-c", CALLER, mode, str(UID_BASE)], cwd=REPO_ROOT,
+    caller = subprocess.Popen([sys.executable, "-c", CALLER, mode, str(UID_BASE)], cwd=REPO_ROOT,
                               env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     try:
         deadline = time.monotonic() + 30
-        while not _sandbox_processes() and time.monotonic() < deadline:
+        while not _sandbox_processes() and time.monotonic() < deadline and caller.poll() is None:
             time.sleep(0.1)
-        assert _sandbox_processes(), "the sandboxed program never started"
+        assert _sandbox_processes(), f"the sandboxed program never started (caller exit code: {caller.poll()})"
         tree = _descendants(caller.pid)
         assert tree
     finally:
