@@ -157,6 +157,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         trainer.actor_wg.export_hf(str(export_dir))
     finally:
         trainer.close()
+        # The engine actor's vLLM engine core is its child process, which Ray's shutdown does not reach: stopped
+        # here, or it outlives the run (seen as orphaned VLLM::EngineCore processes after ablation runs).
+        if hasattr(trainer.engine, "kill"):
+            trainer.engine.kill()
     out = Path(cfg.trainer.output_dir)
     gain = validation_gain(cfg.trainer.validation_data_dir, trainer.global_step)
     plots = write_plots(out, cfg.trainer.rollout_data_dir)
