@@ -27,6 +27,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from arpo.tracking import json_safe
+
 #: metric names the trainer logs (arpo/trainer/ray_trainer.py, metrics.py and the rollout's metrics)
 TRAIN_SCORE = "critic/score/mean"
 VAL_REWARD = "val-core/all/reward/mean"
@@ -271,19 +273,6 @@ def plot_entropy_around_tools(df: pd.DataFrame, ax: Axes | None = None, band: st
 
 # ---- rollout rows: written by the trainer (trainer.rollout_data_dir) and experiments/dump_rollout_entropy.py ----
 ENTROPY_DIGITS = 5
-
-
-def json_safe(value: Any) -> Any:
-    """NaN/inf become null (json.dumps would write the invalid token NaN), numpy scalars plain Python."""
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    if hasattr(value, "item"):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
 
 
 def rollout_rows(batch: Any, data_sources: Sequence[str] | None = None) -> list[dict[str, Any]]:

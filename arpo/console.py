@@ -30,10 +30,14 @@ def _shown(value: Any) -> bool:
     return isinstance(value, (int, float)) and not (isinstance(value, float) and not math.isfinite(value))
 
 
+def _fields(metrics: Mapping[str, Any], prefix: str = "") -> list[str]:
+    return [f"{label} {fmt.format(metrics[key])}" for label, key, fmt in STEP_FIELDS
+            if key.startswith(prefix) and _shown(metrics.get(key))]
+
+
 def step_line(step: int, metrics: Mapping[str, Any], total: int | None = None) -> str:
     """``step 3/8 | reward 0.412 | acc 0.375 | tools/traj 1.95 | branches 14 | dH +0.0021 | 94 s``."""
-    parts = [f"step {step}/{total}" if total else f"step {step}"]
-    parts += [f"{label} {fmt.format(metrics[key])}" for label, key, fmt in STEP_FIELDS if _shown(metrics.get(key))]
+    parts = [f"step {step}/{total}" if total else f"step {step}"] + _fields(metrics)
     if _shown(metrics.get(STEP_TIME)):
         parts.append(f"{metrics[STEP_TIME]:.0f} s")
     return " | ".join(parts)
@@ -41,10 +45,7 @@ def step_line(step: int, metrics: Mapping[str, Any], total: int | None = None) -
 
 def validation_line(step: int, metrics: Mapping[str, Any]) -> str:
     """The validation before training (step 0) in the same shape as a step line."""
-    parts = [f"validation at step {step}"]
-    parts += [f"{label} {fmt.format(metrics[key])}" for label, key, fmt in STEP_FIELDS
-              if key.startswith("val-") and _shown(metrics.get(key))]
-    return " | ".join(parts)
+    return " | ".join([f"validation at step {step}"] + _fields(metrics, prefix="val-"))
 
 
 def _flat(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:

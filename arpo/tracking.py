@@ -20,12 +20,18 @@ logger = logging.getLogger(__name__)
 VALID_BACKENDS = ("console", "jsonl", "wandb")
 
 
-def _jsonable(v: Any) -> Any:
-    if hasattr(v, "item"):
-        v = v.item()
-    if isinstance(v, float) and not math.isfinite(v):
+def json_safe(value: Any) -> Any:
+    """NaN/inf become null (json.dumps would write the invalid token NaN), numpy scalars plain Python; containers
+    are converted element by element."""
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
         return None
-    return v
+    return value
 
 
 class Tracking:
@@ -52,7 +58,7 @@ class Tracking:
                                      dir=str(self.log_dir), reinit="finish_previous")
 
     def log(self, data: dict[str, Any], step: int) -> None:
-        clean = {k: _jsonable(v) for k, v in data.items()}
+        clean = {k: json_safe(v) for k, v in data.items()}
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
             self._jsonl.flush()

@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     jobs = json.loads(Path(args.jobs).read_text()) if args.jobs else [{"model": args.model, "out": args.out}]
     from tqdm import tqdm
 
-    from arpo.analysis import json_safe
+    from arpo.tracking import json_safe
     from arpo.logging_utils import setup_logging
 
     setup_logging()

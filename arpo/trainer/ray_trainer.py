@@ -14,7 +14,7 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -203,42 +203,27 @@ class RayARPOTrainer:
         return out
 
     def _dump_validation(self, batch: DataBatch, scores: np.ndarray, acc: np.ndarray) -> None:
-        import json
-
         folder = self.cfg.trainer.validation_data_dir
         if not folder:
             return
-        path = Path(folder) / f"step_{self.global_step}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
         nt = batch.non_tensors
         group = nt.get("group_index", np.arange(len(scores)))
         tool_calls = nt.get("tool_calls", [None] * len(scores))
-        tmp = path.with_suffix(".tmp")
-        with tmp.open("w") as f:
-            for i in range(len(scores)):
-                f.write(json.dumps({
-                    "step": self.global_step, "prompt_index": int(group[i]), "data_source": str(nt["data_source"][i]),
-                    "score": float(scores[i]), "acc": float(acc[i]),
-                    "format_ok": float(nt["reward_format_ok"][i]) if "reward_format_ok" in nt else None,
-                    "num_tool_calls": len(tool_calls[i] or []),
-                    "ground_truth": str(nt["reward_model"][i].get("ground_truth")),
-                    "response": str(nt["response_text"][i])}) + "\n")
-        tmp.replace(path)
+        _write_jsonl(Path(folder) / f"step_{self.global_step}.jsonl", ({
+            "step": self.global_step, "prompt_index": int(group[i]), "data_source": str(nt["data_source"][i]),
+            "score": float(scores[i]), "acc": float(acc[i]),
+            "format_ok": float(nt["reward_format_ok"][i]) if "reward_format_ok" in nt else None,
+            "num_tool_calls": len(tool_calls[i] or []),
+            "ground_truth": str(nt["reward_model"][i].get("ground_truth")),
+            "response": str(nt["response_text"][i])} for i in range(len(scores))))
 
     def _dump_rollouts(self, batch: DataBatch) -> None:
         """This step's trajectories under ``trainer.rollout_data_dir`` (verl's key), one JSON row each."""
-        import json
-
         from arpo.analysis import rollout_rows
 
         folder = self.cfg.trainer.rollout_data_dir
-        if not folder:
-            return
-        path = Path(folder) / f"step_{self.global_step + 1}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(row) + "\n" for row in rollout_rows(batch)))
-        tmp.replace(path)
+        if folder:
+            _write_jsonl(Path(folder) / f"step_{self.global_step + 1}.jsonl", rollout_rows(batch))
 
     # ---- the loop ----------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -309,6 +294,17 @@ class TrainerCheckpointer:
         # The engine started from the initial weights: give it the restored ones.
         trainer.push_weights()
         return int(state["global_step"])
+
+
+def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> None:
+    """One JSON row per line, written to a temporary file and renamed: a killed run never leaves half a file."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    tmp.replace(path)
 
 
 def _column(values: list[Any]) -> np.ndarray:
