@@ -24,7 +24,7 @@ ROLLOUT_MODES = ("arpo", "single", "agent_loop")
 
 def validate_config(cfg: DictConfig) -> None:
     """Every cross-key rule, checked before anything starts; each failure is one line naming keys and fix."""
-    from arpo.rollout.arpo_rollout import ARPORolloutConfig
+    from arpo.rollout.config import ARPORolloutConfig
     from arpo.trainer.actor_config import validate_actor_config
     from arpo.trainer.algo_config import validate_algorithm_config
 

@@ -201,7 +201,7 @@ def write_summary(run_dir: Path, meta: dict[str, Any], expected: dict[str, int] 
 
 
 def _build_rollout_config(cfg: DictConfig):
-    from arpo.rollout.arpo_rollout import ARPORolloutConfig
+    from arpo.rollout.config import ARPORolloutConfig
 
     values = OmegaConf.to_container(cfg.actor_rollout_ref.rollout.arpo, resolve=True)
     e = cfg.eval

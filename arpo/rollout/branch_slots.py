@@ -1,7 +1,7 @@
 """Who gets a prompt group's trajectory slots, and when: ordered grants to branching decisions, and the
 look-ahead that tells when slots are spare for fresh fills.
 
-Shared by the ARPO rollout (:mod:`arpo.rollout.arpo_rollout`) and the ARPO agent loop
+Shared by the ARPO rollout tree (:mod:`arpo.rollout.tree`) and the ARPO agent loop
 (:mod:`arpo.agent_loop.arpo_agent_loop`); the decision rule itself is :mod:`arpo.rollout.branching`.
 
 **Identity.** A trajectory's *key* is ``("initial", i)``, ``("fill", i)``, or its parent's key plus

@@ -23,7 +23,7 @@ its parent's). Two decision rules, chosen by ``rule``:
 * ``paper`` — the rule as written in the paper (Sec. 3.2): ``P = α + β·ΔH``, branch iff ``P > τ``
   (``paper_alpha``, ``paper_beta``, ``paper_tau``). It is deterministic given ΔH.
 
-Two timings of ``H_now``, chosen by ``timing`` (applied by the rollout, :mod:`arpo.rollout.arpo_rollout`):
+Two timings of ``H_now``, chosen by ``timing`` (applied by the rollout tree, :mod:`arpo.rollout.tree`):
 
 * ``code`` — the released code measures the window of the segment *just generated*, i.e. the segment that
   ends with the tool call, before the tool result is seen;

@@ -11,7 +11,7 @@ from arpo.evaluation.benchmarks import EvalItem
 from arpo.evaluation.records import SampleWriter, load_samples, samples_path
 from arpo.evaluation.runner import EvalRunner, Grader, SampleSpec
 from arpo.evaluation.tool_limits import REFUSAL_REPEAT, TrajectoryToolLimits
-from arpo.rollout.arpo_rollout import ARPORolloutConfig
+from arpo.rollout.config import ARPORolloutConfig
 from arpo.rollout.tool_executor import ToolExecutor
 from reward_fns.registry import build_compute_score
 from tools.base import BaseTool

@@ -268,10 +268,10 @@ def test_look_ahead_over_future_draws_never_undercounts(seed, monkeypatch):
            "beam_size": max(2, cfg["beam_size"]), "tool_call_limit": max(2, cfg["tool_call_limit"]),
            "branch_probability": 0.3 + 0.7 * cfg["branch_probability"], "max_response_length": 400}
     rollout(cfg, policy, n_prompts=n_prompts, seed=seed, tools=tools, split_tags=split_tags)
-    call = calls[-1]
-    live = [t for t in call.trajs if not t.discarded]
+    call = calls[-1].tree
+    live = [t for t in call.branches if not t.discarded]
     forks = [t for t in live if t.kind == "branch"]
-    by_tid = {t.tid: t for t in call.trajs}
+    by_tid = {t.tid: t for t in call.branches}
 
     def root_of(t):
         while t.parent >= 0:
@@ -288,7 +288,7 @@ def test_look_ahead_over_future_draws_never_undercounts(seed, monkeypatch):
         assert descendants <= call.lookahead.tree_forks(r.group, r.key, r.h_initial, 1)
         assert descendants <= call.lookahead.tree_forks(r.group, r.key, None, 1)
     # the look-ahead assumes window entropies in [0, h_max]
-    measured = [h for t in call.trajs for k in ("entropy_initial", "entropy_before_tool") for h in t.samples[k]]
+    measured = [h for t in call.branches for k in ("entropy_initial", "entropy_before_tool") for h in t.samples[k]]
     assert measured and all(0.0 <= h <= call.lookahead.h_max for h in measured)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from arpo.rollout.arpo_rollout import ARPORolloutConfig
+from arpo.rollout.config import ARPORolloutConfig
 
 YAML = Path(__file__).resolve().parents[2] / "configs" / "rollout" / "arpo.yaml"
 

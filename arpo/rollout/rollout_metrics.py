@@ -1,0 +1,101 @@
+"""The rollout's counters and clocks, and the verl-style metrics a call reports (``rollout/*``,
+``timing_s/rollout_*``)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter, defaultdict
+from typing import Any
+
+from arpo.rollout.branch import Branch
+from arpo.rollout.branch_slots import GroupSlots
+
+
+class BusyClock:
+    """Wall time during which at least one operation of a kind runs (overlapping ones are counted once), so
+    generation and tool time stay comparable with the total when both overlap (``schedule: async``)."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._active = 0
+        self._since = 0.0
+
+    def __enter__(self) -> "BusyClock":
+        if self._active == 0:
+            self._since = time.perf_counter()
+        self._active += 1
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._active -= 1
+        if self._active == 0:
+            self.total += time.perf_counter() - self._since
+
+
+class RolloutMetrics:
+    """What one rollout call counts as it goes; :func:`summarize` turns it into metrics at the end."""
+
+    def __init__(self) -> None:
+        self.count: Counter[str] = Counter()
+        self.values: dict[str, list[float]] = defaultdict(list)
+        self.time: Counter[str] = Counter()
+        self.generate_clock = BusyClock()
+        self.tools_clock = BusyClock()
+
+
+def summarize(m: RolloutMetrics, branches: list[Branch], slots: list[GroupSlots], schedule: str) -> dict[str, float]:
+    """verl-style flat metrics of one rollout call: engine work (requests, tokens generated, time) includes
+    dropped speculative fills; what describes the batch (tool calls, entropies, finishes) does not."""
+    kept = [t for t in branches if not t.discarded]
+    c = m.count + sum((t.tally for t in kept), Counter())
+    values: dict[str, list[float]] = defaultdict(list, {k: list(v) for k, v in m.values.items()})
+    for t in kept:
+        for k, v in t.samples.items():
+            values[k].extend(v)
+
+    def mean(key: str) -> float:
+        return float(sum(values[key]) / len(values[key])) if values[key] else math.nan
+
+    out: dict[str, float] = {
+        "rollout/trajectories": float(len(kept)),
+        "rollout/branches": float(c["branches"]),
+        "rollout/branch_points": float(c["branch_points"]),
+        "rollout/branch_decisions_waited": float(sum(s.waited for s in slots)),
+        "rollout/fill_fresh": float(c["fill_fresh"]),
+        "rollout/fill_duplicate": float(c["fill_duplicate"]),
+        "rollout/fill_discarded": float(c["fill_discarded"]),
+        "rollout/fill_predicted": float(c["fill_predicted"]),
+        "rollout/tokens/discarded": float(c["tokens_discarded"]),
+        "rollout/requests": float(c["requests"]),
+        # executed calls: a fork re-uses its parent's results, so ARPO runs fewer than its trajectories hold
+        "rollout/tool_calls/total": float(sum(v for k, v in c.items() if k.startswith("tool_calls/"))),
+        "rollout/tool_calls/in_trajectory_mean": (float(sum(len(t.tool_calls) for t in kept)) / len(kept)
+                                                  if kept else math.nan),
+        "rollout/tool_calls/errors": float(c["tool_errors"]),
+        "rollout/tool_calls/malformed": float(c["tool_calls_malformed"]),
+        "rollout/tool_calls/hit_limit": float(c["tool_calls_hit_limit"]),
+        "rollout/tokens/generated": float(c["tokens_generated"]),
+        "rollout/tokens/tool_result": float(c["tokens_tool"]),
+        "rollout/tokens/response_model_total": float(sum(sum(t.response_mask) for t in kept)),
+        "rollout/entropy/initial_mean": mean("entropy_initial"),
+        "rollout/entropy/before_tool_mean": mean("entropy_before_tool"),
+        "rollout/entropy/after_tool_mean": mean("entropy_after_tool"),
+        "rollout/entropy/delta_mean": mean("delta_entropy"),
+        "timing_s/rollout_generate": float(m.generate_clock.total),
+        "timing_s/rollout_tools": float(m.tools_clock.total),
+        "timing_s/rollout_total": float(m.time["total"]),
+    }
+    for k, v in c.items():
+        if k.startswith("tool_calls/") or k.startswith("finish/"):
+            out[f"rollout/{k}"] = float(v)
+    if schedule == "rounds":
+        out["rollout/rounds"] = float(c["rounds"])
+    if c["prompt_tokens"]:
+        out["rollout/prefix_cache/hit_rate"] = c["cached_tokens"] / c["prompt_tokens"]
+    if c["branch_prompt_tokens"]:
+        out["rollout/prefix_cache/branch_hit_rate"] = c["branch_cached_tokens"] / c["branch_prompt_tokens"]
+    total_time = m.time["total"]
+    if total_time > 0:
+        out["rollout/tokens_per_s"] = c["tokens_generated"] / total_time
+    return out

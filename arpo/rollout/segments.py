@@ -1,0 +1,121 @@
+"""How one segment of a branch (the tokens up to its next tool call, EOS or the length limit) is asked of the
+engine, with top-k logprobs exactly where entropy needs them.
+
+Most of what top-k logprobs cost vLLM is detokenising the k candidates of every token; without
+detokenisation they cost about nothing, but the engine then cannot match stop strings. So: when every stop
+string (the tools' close tags) is a single token of the vocabulary, as the ARPO tags are in the tiny model's,
+every request runs without detokenisation and stops on those token ids, with logprobs on every token — one
+request per segment. Otherwise entropy needs logprobs only on a segment's first ``entropy_window`` tokens, so
+a fresh segment is a window request (logprobs, no detokenisation: stop strings are found here) followed at
+once by a continuation without them, unless ``return_entropy`` wants them all; the two come back as one
+output whose ``logprobs`` cover the window only. A stop string the engine could not see (split between two
+requests, or in an undetokenised request) is cut here, where an engine matching strings would have stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from arpo.engine.base import GenerationEngine, GenerationOutput, SamplingParams
+from arpo.rollout.branch import Branch, Phase
+from arpo.rollout.branching import derive_seed
+from arpo.rollout.rollout_metrics import RolloutMetrics
+
+
+def stop_strings_as_token_ids(tok: Any, params: SamplingParams) -> tuple[int, ...] | None:
+    """``params``' stop strings (with its ``stop_token_ids``) as token ids, or None if one is not a single
+    token of ``tok``'s vocabulary."""
+    ids = []
+    for stop in params.stop:
+        enc = tok.encode(stop, add_special_tokens=False)
+        if len(enc) != 1 or tok.decode(enc) != stop:
+            return None
+        ids.append(int(enc[0]))
+    return tuple(dict.fromkeys(tuple(params.stop_token_ids) + tuple(ids)))
+
+
+def cut_at_stop(tok: Any, stops: tuple[str, ...], prev_ids: list[int], ids: list[int], lps: list, finish: str,
+                stop_reason: Any) -> tuple[list[int], list, str, Any]:
+    """Cut ``ids`` right after the first stop string that ends inside them, with ``prev_ids`` (the segment's
+    tokens from an earlier request) as context; returns (ids, logprobs, finish reason, stop reason)."""
+    prev = tok.decode(prev_ids)
+    text = prev + tok.decode(ids)
+    found = [(i, s) for s in stops if s for i in [text.find(s, max(0, len(prev) - len(s) + 1))] if i >= 0]
+    if not found:
+        return ids, lps, finish, stop_reason
+    start, stop = min(found)
+    for m in range(1, len(ids) + 1):
+        if len(prev + tok.decode(ids[:m])) >= start + len(stop):
+            return ids[:m], lps[:m], "stop", stop
+    return ids, lps, finish, stop_reason
+
+
+class SegmentRequester:
+    """Engine requests for one rollout call: seeds from each branch's identity and request number (so no
+    output depends on the order requests complete in), request ids, and the engine-side counters."""
+
+    def __init__(self, engine: GenerationEngine, tok: Any, params: SamplingParams, *, seed: int, nonce: str,
+                 window: int, max_response_length: int, window_logprobs_only: bool, metrics: RolloutMetrics):
+        self.engine, self.tok, self.params, self.seed, self.nonce = engine, tok, params, seed, nonce
+        self.window, self.max_response_length = window, max_response_length
+        self.want_logprobs = params.logprobs is not None
+        #: branching needs logprobs on each segment's entropy window only
+        self.window_logprobs_only = window_logprobs_only
+        self.stop_ids = stop_strings_as_token_ids(tok, params)
+        self.m = metrics
+
+    def cut_at_stop(self, prev_ids: list[int], ids: list[int], lps: list, finish: str, stop_reason: Any):
+        return cut_at_stop(self.tok, self.params.stop, prev_ids, ids, lps, finish, stop_reason)
+
+    async def request(self, b: Branch) -> GenerationOutput:
+        """The next piece of ``b``'s current segment (or its entropy probe)."""
+        room = self.max_response_length - len(b.response_ids)
+        probing = b.phase is Phase.PROBE
+        if self.stop_ids is not None:
+            return await self._undetokenized(b, min(room, self.window) if probing else room,
+                                             logprobs=self.want_logprobs)
+        fresh = len(b.response_ids) == b.seg_start
+        split = self.window_logprobs_only and b.phase is Phase.GENERATE and fresh and room > self.window
+        if not (probing or split):
+            return await self._call(b, room, logprobs=fresh or not self.window_logprobs_only)
+        first = await self._undetokenized(b, min(room, self.window), logprobs=True)
+        if not split or first.finish_reason != "length" or len(first.token_ids) < self.window:
+            return first
+        rest = await self._call(b, room - len(first.token_ids), logprobs=False, after=first.token_ids)
+        ids, _, finish, stop_reason = self.cut_at_stop(
+            list(first.token_ids), list(rest.token_ids), [], rest.finish_reason, rest.stop_reason)
+        return GenerationOutput(token_ids=list(first.token_ids) + ids, text="", finish_reason=finish,
+                                stop_reason=stop_reason, logprobs=first.logprobs,
+                                num_cached_tokens=first.num_cached_tokens)
+
+    async def _undetokenized(self, b: Branch, max_tokens: int, logprobs: bool) -> GenerationOutput:
+        """At most ``max_tokens`` tokens without detokenisation; the engine stops only on ``stop_ids``, a stop
+        string spelt another way is cut here (tokens sampled after it are dropped, never used)."""
+        out = await self._call(b, max_tokens, logprobs=logprobs, detokenize=False)
+        ids, lps, finish, stop_reason = self.cut_at_stop(
+            [], list(out.token_ids), list(out.logprobs or []), out.finish_reason, out.stop_reason)
+        return dataclasses.replace(out, token_ids=ids, logprobs=lps if out.logprobs is not None else None,
+                                   finish_reason=finish, stop_reason=stop_reason, text="")
+
+    async def _call(self, b: Branch, max_tokens: int, logprobs: bool, after: list[int] | None = None,
+                    detokenize: bool = True) -> GenerationOutput:
+        params = self.params.with_(max_tokens=max_tokens, seed=derive_seed(self.seed, b.group, b.key, b.n_requests),
+                                   logprobs=self.params.logprobs if logprobs else None)
+        if not detokenize:
+            params = params.with_(stop=(), detokenize=False, stop_token_ids=self.stop_ids or params.stop_token_ids)
+        request_id = f"arpo-{self.nonce}-g{b.group}-t{b.local}-r{b.n_requests}"
+        first_of_branch = b.kind == "branch" and b.n_requests == 0
+        b.n_requests += 1
+        prompt = b.prompt_ids + b.response_ids + list(after or [])
+        with self.m.generate_clock:
+            out = await self.engine.generate(prompt, params, request_id)
+        c = self.m.count
+        c["requests"] += 1
+        if out.num_cached_tokens is not None:
+            c["prompt_tokens"] += len(prompt)
+            c["cached_tokens"] += out.num_cached_tokens
+            if first_of_branch:
+                c["branch_prompt_tokens"] += len(prompt)
+                c["branch_cached_tokens"] += out.num_cached_tokens
+        return out

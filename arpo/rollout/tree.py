@@ -1,0 +1,361 @@
+"""The rollout tree of one call: ARPO's Algorithm 1 as transitions of its branches.
+
+roots (N per prompt) → first entropy window (H_initial) → after each tool result: measure ΔH, decide, fork or
+not within the group's budget M → fill groups left short → finish → the tree, in a fixed row order. No I/O
+happens here: the driver (:mod:`arpo.rollout.arpo_rollout`) sends each branch's requests
+(:mod:`arpo.rollout.segments`) and runs its tool calls, and feeds the results to these transitions. Who gets
+a group's slots, and when, is :mod:`arpo.rollout.branch_slots`; the decision rule, :mod:`arpo.rollout.branching`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from arpo.batch import Trajectory
+from arpo.engine.base import GenerationOutput
+from arpo.protocol import TOOL_TAGS, ToolCall, format_tool_result, parse_trailing_tool_call
+from arpo.rollout.branch import Branch, Phase
+from arpo.rollout.branch_slots import CallRates, ForkLookahead, GroupSlots, canonical
+from arpo.rollout.branching import GroupBudget, should_branch, token_entropy
+from arpo.rollout.config import ARPORolloutConfig
+from arpo.rollout.rollout_metrics import RolloutMetrics
+
+logger = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class MalformedCall:
+    """A close tag without its open tag: no call to run; the branch gets an error text as its result."""
+
+    tool: str
+
+
+class RolloutTree:
+    """Every branch of one rollout call over a batch of prompt groups, and the transitions between phases."""
+
+    def __init__(self, cfg: ARPORolloutConfig, tok: Any, prompts: list[list[int]], seed: int,
+                 tool_names: list[str], call_rate_prior: dict[int, float], metrics: RolloutMetrics,
+                 cut_at_stop: Callable[..., tuple]):
+        self.cfg, self.bcfg, self.tok, self.prompts = cfg, cfg.branching(), tok, prompts
+        self.m, self.cut_at_stop = metrics, cut_at_stop
+        vocab_size = cfg.vocab_size or len(tok)
+        self.log_v = math.log(vocab_size)
+        self.lookahead = ForkLookahead(self.bcfg, seed, cfg.n, cfg.tool_call_limit, vocab_size)
+        self.close_tags = {TOOL_TAGS[n][1]: n for n in tool_names}
+        self.branches: list[Branch] = []
+        self.by_group: list[list[Branch]] = [[] for _ in prompts]
+        self.budgets = [GroupBudget(cfg.n) for _ in prompts]
+        #: who gets each group's slots, and when (ordered grants, spare slots for fills)
+        self.slots = [GroupSlots(self.lookahead, self.budgets[g], g, self.by_group[g], self.first_decision_depth,
+                                 cfg.branch_grant) for g in range(len(prompts))]
+        self.call_rates = CallRates(len(prompts), call_rate_prior)
+        #: ``initial_entropy_scope: group``: each group's mean initial entropy, once every initial root has one
+        self.group_h0: list[float | None] = [None] * len(prompts)
+        self.h0_settled = [False] * len(prompts)
+        self.progress = None
+
+    # ---- roots and forks ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """The initial roots (N per group, M for plain sampling) and the speculative fills."""
+        for g in range(len(self.prompts)):
+            for _ in range(self.budgets[g].reserve(self.cfg.num_initial)):
+                self._new_root(g, "initial")
+            if self.cfg.mode == "arpo" and self.cfg.fill == "fresh":
+                for _ in range(min(self.cfg.speculative_fill, self.budgets[g].remaining)):
+                    self._new_root(g, "fill").speculative = True
+        self.fill(range(len(self.prompts)))
+
+    def _new(self, group: int, kind: str, key: tuple, **state: Any) -> Branch:
+        b = Branch(tid=len(self.branches), group=group, local=len(self.by_group[group]), kind=kind, key=key,
+                   prompt_ids=self.prompts[group], **state)
+        self.branches.append(b)
+        self.by_group[group].append(b)
+        return b
+
+    def _new_root(self, group: int, kind: str) -> Branch:
+        b = self._new(group, kind, (kind, sum(1 for x in self.by_group[group] if x.kind == kind)))
+        if self.bcfg.initial_entropy_scope == "group":
+            b.h_initial = self.group_h0[group]
+        return b
+
+    def _fork(self, parent: Branch, pos: int, depth: int, kind: str = "branch",
+              records: list[dict[str, Any]] | None = None) -> Branch:
+        """A copy of ``parent``'s first ``pos`` response tokens (the parent may have moved on since: its tokens
+        are append-only) with ``records``, its tool-call records as they were when the fork was decided at
+        call ``depth``. The fork's identity is (parent, depth, sibling number), known before ``pos`` is, so
+        the draws of its future decisions are known in advance too (:mod:`arpo.rollout.branch_slots`)."""
+        if records is None:
+            records = [c for c in parent.tool_calls if c["end"] <= pos]
+        key = GroupSlots.fork_key(parent.key, depth, (x.key for x in self.by_group[parent.group]))
+        return self._new(
+            parent.group, kind, key,
+            response_ids=parent.response_ids[:pos], response_mask=parent.response_mask[:pos],
+            token_entropy=parent.token_entropy[:pos], parent=parent.tid, branch_pos=pos,
+            tool_calls=copy.deepcopy(records), n_calls=len(records),
+            h_initial=parent.h_initial, own_h0=parent.own_h0, seg_start=pos,
+            seg_after_tool=bool(records) and records[-1]["end"] == pos,
+        )
+
+    # ---- after a request ----------------------------------------------------------------------------
+    def absorb(self, b: Branch, out: GenerationOutput) -> tuple[str, Any]:
+        """Append a request's tokens to the branch; return (finish reason, stop reason) after our own check
+        for a stop string split across requests. ``logprobs`` may cover only the first tokens (the entropy
+        window); the rest get NaN entropy."""
+        ids = list(out.token_ids)
+        lps = list(out.logprobs) if out.logprobs is not None else []
+        finish, stop_reason = out.finish_reason, out.stop_reason
+        if b.seg_start < len(b.response_ids) and ids:
+            ids, lps, finish, stop_reason = self.cut_at_stop(
+                b.response_ids[b.seg_start:], ids, lps, finish, stop_reason)
+        lps = lps[: len(ids)]
+        first_piece = len(b.response_ids) == b.seg_start
+        root_start = not b.response_ids and b.kind in ("initial", "fill")
+        b.started = True
+        # per-token entropy is an output only with return_entropy; decisions use the window's logprobs
+        scored = lps if self.cfg.return_entropy else []
+        entropy = [token_entropy(lp) / self.log_v for lp in scored] + [math.nan] * (len(ids) - len(scored))
+        b.append(ids, model=True, entropy=entropy)
+        b.seg_logprobs.extend(lps[: max(0, self.bcfg.window - len(b.seg_logprobs))])
+        self.m.count["tokens_generated"] += len(ids)
+        if first_piece and lps:
+            h = self.lookahead.window_entropy(lps)
+            if root_start:
+                b.own_h0 = h
+                b.samples["entropy_initial"].append(h)
+                if self.bcfg.initial_entropy_scope == "trajectory":
+                    b.h_initial = h
+            if b.seg_after_tool:
+                b.samples["entropy_after_tool"].append(h)
+                # records inherited at a fork stay as the parent left them
+                if b.tool_calls[-1]["end"] > b.branch_pos and b.tool_calls[-1]["entropy_after"] is None:
+                    b.tool_calls[-1]["entropy_after"] = h
+        return finish, stop_reason
+
+    def settle_initial_entropy(self, groups: Iterable[int]) -> list[int]:
+        """Scope ``group``: once every initial root's first request is back, H_initial is the mean of their
+        first windows (over those that have one; none: the group never branches). Returns the groups settled
+        by this call."""
+        if self.bcfg.initial_entropy_scope != "group":
+            return []
+        settled = []
+        for g in groups:
+            if self.h0_settled[g]:
+                continue
+            roots = [b for b in self.by_group[g] if b.kind == "initial"]
+            if not roots or not all(b.started for b in roots):
+                continue
+            hs = [b.own_h0 for b in roots if b.own_h0 is not None]
+            self.group_h0[g] = sum(hs) / len(hs) if hs else None
+            for b in self.by_group[g]:
+                b.h_initial = self.group_h0[g]
+            self.h0_settled[g] = True
+            settled.append(g)
+        return settled
+
+    def needs_group_h0(self, b: Branch) -> bool:
+        """The decision after ``b``'s next tool call compares against its group's initial entropy, not known yet."""
+        return (b.h_initial is None and b.kind != "fill" and self.cfg.branching_enabled
+                and self.bcfg.initial_entropy_scope == "group" and not self.h0_settled[b.group])
+
+    def classify(self, b: Branch, out: GenerationOutput, finish: str,
+                 stop_reason: Any) -> ToolCall | MalformedCall | None:
+        """After a request: the tool call to run (the branch is then in phase ``TOOL``), or None (finished,
+        or the segment goes on)."""
+        if b.phase is Phase.DONE:
+            return None
+        room = self.cfg.max_response_length - len(b.response_ids)
+        seg_text = self.tok.decode(b.response_ids[b.seg_start:]).rstrip()
+        # The engine names the stop string it matched; the token that completed it may carry more text.
+        close = stop_reason if stop_reason in self.close_tags else \
+            next((c for c in self.close_tags if seg_text.endswith(c)), None)
+        if close is not None and close in seg_text:
+            seg_text = seg_text[: seg_text.rfind(close) + len(close)]
+        elif close is not None:
+            close = None  # the engine's text and our decode disagree: do not guess a call
+        if finish == "abort":
+            self._finish(b, "abort")
+        elif close is not None:
+            if b.n_calls >= self.cfg.tool_call_limit:
+                b.tally["tool_calls_hit_limit"] += 1
+                if room > 0:
+                    b.append([self.tok.eos_token_id], model=False)
+                self._finish(b, "tool_limit")
+            elif room <= 0:
+                self._finish(b, "length")
+            else:
+                call = parse_trailing_tool_call(seg_text)
+                b.phase = Phase.TOOL
+                self.call_rates.record(b.group, b.n_calls + 1, made=True)
+                return call if call is not None else MalformedCall(self.close_tags[close])
+        elif room <= 0:
+            self._finish(b, "length")
+        elif finish == "length" and out.token_ids:
+            b.phase = Phase.GENERATE  # a probe or a partial segment: keep generating the same segment
+        elif finish == "length":
+            logger.warning("engine returned no tokens with finish_reason=length; ending trajectory")
+            self._finish(b, "abort")
+        else:
+            self._finish(b, "stop")
+        if b.phase is Phase.DONE:
+            self.call_rates.record(b.group, b.n_calls + 1, made=False)
+        return None
+
+    # ---- after a tool call: measure, decide, fork ---------------------------------------------------
+    def append_tool_result(self, b: Branch, call: ToolCall | MalformedCall, result: Any) -> None:
+        """Append a tool's result (``result``: the executor's, None for a malformed call) as masked tokens,
+        then decide on forks (timing ``code``) or probe first (timing ``paper``)."""
+        if isinstance(call, MalformedCall):
+            open_tag, close_tag = TOOL_TAGS[call.tool]
+            text, error, tool = (f"Error: malformed tool call: {close_tag} without a matching {open_tag}. "
+                                 f"Write {open_tag}...{close_tag}."), True, call.tool
+            b.tally["tool_calls_malformed"] += 1
+        else:
+            text, error, tool = result.text, not result.ok, call.tool
+            b.tally["tool_errors"] += int(error)
+        cfg = self.cfg
+        h_before = self.lookahead.window_entropy(b.seg_logprobs) if b.seg_logprobs else None
+        if h_before is not None:
+            b.samples["entropy_before_tool"].append(h_before)
+        ids = self.tok.encode(format_tool_result(text), add_special_tokens=False)
+        room = cfg.max_response_length - len(b.response_ids)
+        truncated = len(ids) >= room
+        ids = ids[:room]
+        start = len(b.response_ids)
+        b.append(ids, model=False)
+        b.n_calls += 1
+        b.phase = Phase.GENERATE
+        b.tally[f"tool_calls/{tool}"] += 1
+        b.tally["tokens_tool"] += len(ids)
+        record = {"tool": tool, "start": start, "end": len(b.response_ids), "error": bool(error),
+                  "entropy_before": h_before, "entropy_after": None, "delta_entropy": None}
+        b.tool_calls.append(record)
+        if truncated:
+            self._finish(b, "length")
+            return
+        b.seg_start = len(b.response_ids)
+        b.seg_logprobs = []
+        b.seg_after_tool = True
+        # Decide (and, timing paper, probe) even when the budget is spent: the draws and records then do not
+        # depend on which trajectory spent it first.
+        if not cfg.branching_enabled or b.kind == "fill":
+            return
+        if self.bcfg.timing == "code":
+            if h_before is not None and b.h_initial is not None:
+                self._branch(b, h_before - b.h_initial, b.seg_start, record)
+        else:
+            b.phase = Phase.PROBE
+            b.branch_point = b.seg_start
+
+    def decide_after_probe(self, b: Branch) -> None:
+        """Timing ``paper``: the probe (first k tokens after the result) was just generated; decide now."""
+        b.phase = Phase.GENERATE
+        if not b.seg_logprobs or b.h_initial is None:
+            return
+        self._branch(b, self.lookahead.window_entropy(b.seg_logprobs) - b.h_initial, b.branch_point,
+                     b.tool_calls[-1])
+
+    def _branch(self, b: Branch, delta_h: float, pos: int, record: dict[str, Any]) -> None:
+        """One branching decision: ``beam_size - 1`` draws of the rule, from the decision's own generator
+        (seeded by the branch's identity and call number), then slots from the group's
+        :class:`~arpo.rollout.branch_slots.GroupSlots`: at once, or, under ``branch_grant: ordered`` when
+        other decisions could still compete for the slots, once its turn in the fixed order comes. The
+        parent never waits: it goes on generating, and the forks copy its tokens up to ``pos`` (and its
+        records as they are now) when they are granted."""
+        rng = self.lookahead.rng(b.group, b.key, b.n_calls)
+        record["delta_entropy"] = delta_h
+        self.m.values["delta_entropy"].append(delta_h)
+        self.m.count["branch_points"] += 1
+        wants = sum(should_branch(self.bcfg, delta_h, rng) for _ in range(self.bcfg.beam_size - 1))
+        if wants == 0 or self.budgets[b.group].remaining == 0:
+            return
+        # the records as they are now: the parent updates its last one later (entropy after the tool)
+        records = copy.deepcopy([c for c in b.tool_calls if c["end"] <= pos])
+        depth = b.n_calls
+
+        def grant(granted: int) -> None:
+            for _ in range(granted):
+                self._fork(b, pos, depth, records=records)
+            self.m.count["branches"] += granted
+
+        self.slots[b.group].offer(b, depth, wants, grant)
+
+    def first_decision_depth(self, b: Branch) -> int | None:
+        """Tool-call depth of the next decision ``b`` can still take (None: none)."""
+        if b.kind == "fill" or b.speculative or b.phase is Phase.DONE or not self.cfg.branching_enabled:
+            return None
+        if b.phase is Phase.PROBE:  # timing paper: the decision at the current result is still to come
+            return b.n_calls
+        return b.n_calls + 1 if b.n_calls < self.cfg.tool_call_limit else None
+
+    # ---- finishing and filling ----------------------------------------------------------------------
+    def _finish(self, b: Branch, reason: str) -> None:
+        b.phase, b.finish_reason = Phase.DONE, reason
+        if not b.speculative:  # a speculative fill is counted when it is confirmed
+            self._count_finished(b)
+
+    def _count_finished(self, b: Branch) -> None:
+        self.m.count[f"finish/{b.finish_reason}"] += 1
+        if self.progress is not None:
+            self.progress.update(1)
+
+    def fill(self, groups: Iterable[int]) -> None:
+        """Give groups their missing trajectories. Fresh fills start as soon as the budget left exceeds what
+        branching could still take (so they need not wait for the group to finish; fill roots never branch,
+        so every branching decision sees the same budget as with filling at the end). Duplicates need the
+        group's last trajectory, so they wait until the group has finished."""
+        for g in groups:
+            self.slots[g].resolve()  # decisions whose turn has come hold their slots before anything is spare
+            group = self.by_group[g]
+            budget = self.budgets[g]
+            if budget.remaining == 0 and not any(b.speculative for b in group):
+                continue
+            if self.cfg.fill == "fresh":
+                self._fill_fresh(g)
+            elif not any(b.phase is not Phase.DONE and not b.speculative for b in group) and not self.slots[g].pending:
+                granted = budget.reserve(budget.remaining)
+                last = max((b for b in group if not b.discarded), key=lambda b: canonical(b.key))
+                for _ in range(granted):
+                    dup = self._fork(last, len(last.response_ids), self.cfg.tool_call_limit + 1, kind="duplicate")
+                    dup.phase, dup.finish_reason = Phase.DONE, last.finish_reason
+                    if self.progress is not None:
+                        self.progress.update(1)
+                self.m.count["fill_duplicate"] += granted
+
+    def _fill_fresh(self, g: int) -> None:
+        spec = [b for b in self.by_group[g] if b.speculative]
+        plan = self.slots[g].plan_fills(len(spec), self.cfg.speculative_fill_probability, self.call_rates.reach(g),
+                                        lambda b: b.phase in (Phase.TOOL, Phase.PROBE))
+        for b in spec[: plan.confirm]:
+            b.speculative = False
+            if b.phase is Phase.DONE:
+                self._count_finished(b)
+        for _ in range(plan.start):
+            self._new_root(g, "fill")
+        self.m.count["fill_fresh"] += plan.confirm + plan.start
+        for b in spec[len(spec) - plan.drop:]:
+            b.speculative, b.discarded, b.phase = False, True, Phase.DONE
+            self.m.count["fill_discarded"] += 1
+            self.m.count["tokens_discarded"] += sum(b.response_mask)
+        for _ in range(plan.predict):
+            self._new_root(g, "fill").speculative = True
+        self.m.count["fill_predicted"] += plan.predict
+
+    # ---- output -------------------------------------------------------------------------------------
+    def trajectories(self) -> list[Trajectory]:
+        """The kept branches as trajectories, in tree order by identity (initial roots, then fills, each
+        followed by its forks), which does not depend on the order they were created in; a parent always
+        precedes its children."""
+        ordered = sorted((b for b in self.branches if not b.discarded), key=lambda b: (b.group,) + canonical(b.key))
+        assert all(not b.speculative for b in ordered), "a speculative fill was neither confirmed nor dropped"
+        index = {b.tid: i for i, b in enumerate(ordered)}
+        return [Trajectory(
+            group=b.group, prompt_ids=list(b.prompt_ids), response_ids=b.response_ids,
+            response_mask=b.response_mask, parent=index[b.parent] if b.parent >= 0 else -1,
+            branch_pos=b.branch_pos, token_entropy=b.token_entropy if self.cfg.return_entropy else None,
+            tool_calls=b.tool_calls, finish_reason=b.finish_reason,
+            extra={"num_tool_calls": b.n_calls, "rollout_kind": b.kind,
+                   "initial_entropy": math.nan if b.h_initial is None else b.h_initial},
+        ) for b in ordered]
