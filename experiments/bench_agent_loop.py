@@ -1,24 +1,25 @@
-"""Wall time of ARPO inside the asynchronous agent loop vs the round-synchronous ARPO rollout, same budget M.
+"""Wall time of one ARPO tree under three schedules, same budget M, same engine and tool: the batch rollout
+with round barriers (``schedule: rounds``, the released code's loop), the batch rollout with one task per
+branch (``schedule: async``, default), and the agent loop (one ``arpo_agent`` loop per prompt group, the
+same tree driven per group). With a deterministic engine all three roll out the same trees (the agent loop's
+identity is tested in tests/agent_loop/test_arpo_agent_loop.py); only the waiting differs.
 
-Both paths drive the same simulated engine (a request takes ``delay + per_token × tokens``, as a
-continuous-batching server with spare capacity would) and the same search tool with injected latency of
-about one generation turn. Trajectories differ in their number of tool calls and segment lengths, which is
-where a round barrier costs time: every round waits for its longest segment and its slowest tool call.
-Prints one JSON object.
+The engine is simulated (a request takes ``delay + per_token × tokens``, as a continuous-batching server
+with spare capacity would) and the search tool sleeps about one generation turn. Trajectories differ in
+their number of tool calls and segment lengths, which is where a round barrier costs time: every round
+waits for its longest segment and its slowest tool call. Prints one JSON object: medians over
+``--repeats`` runs in rotating order.
 
     python experiments/bench_agent_loop.py [--prompts 16] [--n 16] [--initial 8] [--timing code|paper] [--repeats 5]
     python experiments/bench_agent_loop.py --prompts 2 --n 4 --initial 2 --repeats 1 --response-length 256 \\
         --tool-s 0.01                                                            # smoke: seconds
-
-The round-synchronous side is :class:`arpo.rollout.arpo_rollout.ARPORollout` (the ARPO rollout path);
-wall times are medians over ``--repeats`` alternating runs; ``mean_turn_s`` / ``mean_tool_s`` show the
-injected tool latency is about one generation turn.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import random
 import statistics
@@ -31,12 +32,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arpo.agent_loop import AgentLoopConfig, AgentLoopManager  # noqa: E402
+from arpo.agent_loop.templating import ChatTemplater  # noqa: E402
+from arpo.batch import DataBatch  # noqa: E402
 from arpo.engine.base import SamplingParams  # noqa: E402
-from tests.agent_loop.scripted_engine import ScriptedEngine, turn_index  # noqa: E402  (deterministic fake engine)
-from tests.agent_loop.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
+from arpo.engine.fake import ScriptedEngine, ScriptPolicy, build_chat_tokenizer  # noqa: E402
+from arpo.rollout.arpo_rollout import ARPORollout  # noqa: E402
 from tools.base import BaseTool  # noqa: E402
-
-WORDS = "the model thinks about numbers and searches for facts before it answers".split()
 
 
 class SlowSearch(BaseTool):
@@ -61,71 +62,66 @@ class SlowSearch(BaseTool):
         return f"results for {content}"
 
 
-def policy(max_calls: int, p_call: float):
-    def reply(prompt_text: str, request_id: str) -> str:
-        rng = random.Random(request_id)
-        turn = turn_index(prompt_text)
-        filler = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 40)))
-        if turn < max_calls and rng.random() < p_call:
-            return f"<think>{filler}</think><search>q{turn} {rng.randint(0, 9)}</search>"
-        return f"<answer>{filler} \\boxed{{{rng.randint(0, 9)}}}</answer>"
-    return reply
+def rollout_config(args, seed: int, schedule: str = "async") -> dict[str, Any]:
+    return {"n": args.n, "initial_rollouts": args.initial, "beam_size": args.beam,
+            "branch_probability": args.branch_probability, "entropy_weight": 0.2, "timing": args.timing,
+            "entropy_window": 20, "tool_call_limit": args.max_calls, "max_response_length": args.response_length,
+            "seed": seed, "tool_workers": args.tool_workers, "tool_retries": 0, "schedule": schedule}
 
 
-def engine_time(engine: ScriptedEngine) -> list[float]:
-    return [engine.delay_s + engine.per_token_s * len(ids) for _, _, ids in engine.calls]
+def make_engine(args, tokenizer) -> ScriptedEngine:
+    return ScriptedEngine(tokenizer, ScriptPolicy(tools=("search",), call_prob=args.p_call),
+                          latency_s=args.delay_s, token_latency_s=args.per_token_s)
 
 
-async def run_async(args, tokenizer, seed: int) -> dict[str, Any]:
-    engine = ScriptedEngine(tokenizer, policy=policy(args.max_calls, args.p_call), delay_s=args.delay_s,
-                            per_token_s=args.per_token_s)
-    tool = SlowSearch(args.tool_s, seed)
+def summary(engine: ScriptedEngine, tool: SlowSearch, batch: DataBatch, wall: float) -> dict[str, Any]:
+    # the trees rolled out (tokens, masks, parents): equal for every schedule, whatever the timing
+    tree = hashlib.sha1(repr([batch["responses"].tolist(), batch["response_mask"].tolist(),
+                              list(batch["parent_index"])]).encode()).hexdigest()[:16]
+    return {"wall_s": wall, "rows": len(batch), "tree_sha": tree, "requests": len(engine.requests),
+            "tool_calls": len(tool.latencies), "branches": int(sum(p >= 0 for p in batch["parent_index"])),
+            "tokens_generated": sum(r.output_len for r in engine.requests),
+            "mean_tool_s": statistics.mean(tool.latencies) if tool.latencies else 0.0}
+
+
+def messages(args) -> list[list[dict[str, str]]]:
+    return [[{"role": "user", "content": f"question {i}"}] for i in range(args.prompts)]
+
+
+async def run_agent_loop(args, tokenizer, seed: int) -> dict[str, Any]:
+    engine, tool = make_engine(args, tokenizer), SlowSearch(args.tool_s, seed)
     config = AgentLoopConfig.load(
         response_length=args.response_length, default_agent_loop="arpo_agent",
-        multi_turn={"max_user_turns": args.max_calls, "tool_workers": args.tool_workers},
+        multi_turn={"tool_workers": args.tool_workers, "max_tool_response_length": None},
         agents=[{"name": "arpo_agent", "_target_": "arpo.agent_loop.arpo_agent_loop.ARPOAgentLoop",
-                 "initial_rollouts": args.initial, "seed": seed,
-                 "branching": {"beam_size": args.beam, "branch_probability": args.branch_probability,
-                               "entropy_weight": 0.2, "timing": args.timing, "window": 20}}])
+                 "rollout": rollout_config(args, seed)}])
     manager = AgentLoopManager([engine], tokenizer, config, [tool])
-    rows = [{"raw_prompt": [{"role": "user", "content": f"question {i}"}]} for i in range(args.prompts)]
+    prompts = DataBatch({}, {"raw_prompt": messages(args)}, {"seed": seed})
     start = time.perf_counter()
-    batch = await manager.generate_sequences_async(rows, n=args.n, sampling_params=SamplingParams(
+    batch = await manager.generate_sequences_async(prompts, n=args.n, sampling_params=SamplingParams(
         max_tokens=args.response_length))
     wall = time.perf_counter() - start
     manager.close()
-    groups = list(batch["group_index"])
-    assert all(groups.count(g) == args.n for g in range(args.prompts))
-    return {"wall_s": wall, "rows": len(batch), "requests": len(engine.calls), "tool_calls": len(tool.latencies),
-            "branches": int(sum(p >= 0 for p in batch["parent_index"])),
-            "tokens_generated": sum(len(ids) for _, _, ids in engine.calls),
-            "mean_turn_s": statistics.mean(engine_time(engine)), "mean_tool_s": statistics.mean(tool.latencies)}
+    return summary(engine, tool, batch, wall)
 
 
-async def run_sync(args, tokenizer, seed: int) -> dict[str, Any]:
-    from arpo.agent_loop.templating import ChatTemplater
-    from arpo.rollout.arpo_rollout import ARPORollout
-
-    engine = ScriptedEngine(tokenizer, policy=policy(args.max_calls, args.p_call), delay_s=args.delay_s,
-                            per_token_s=args.per_token_s)
-    tool = SlowSearch(args.tool_s, seed)
-    rollout = ARPORollout(engine, tokenizer, {
-        "n": args.n, "initial_rollouts": args.initial, "beam_size": args.beam,
-        "branch_probability": args.branch_probability, "entropy_weight": 0.2, "timing": args.timing,
-        "entropy_window": 20, "tool_call_limit": args.max_calls, "max_response_length": args.response_length,
-        "seed": seed, "tool_workers": args.tool_workers, "tool_retries": 0}, tools=[tool])
+async def run_rollout(args, tokenizer, seed: int, schedule: str) -> dict[str, Any]:
+    engine, tool = make_engine(args, tokenizer), SlowSearch(args.tool_s, seed)
+    rollout = ARPORollout(engine, tokenizer, rollout_config(args, seed, schedule), tools=[tool])
     templater = ChatTemplater(tokenizer)
-    prompts = [templater.prompt_ids([{"role": "user", "content": f"question {i}"}], with_tools=False)
-               for i in range(args.prompts)]
+    prompts = [templater.prompt_ids(m, with_tools=False) for m in messages(args)]
     start = time.perf_counter()
-    batch = await rollout.agenerate(prompts)
+    batch = await rollout.agenerate(prompts, seed=seed)
     wall = time.perf_counter() - start
     rollout.close()
-    return {"wall_s": wall, "rows": len(batch), "requests": len(engine.calls), "tool_calls": len(tool.latencies),
-            "branches": int(sum(p >= 0 for p in batch["parent_index"])),
-            "tokens_generated": sum(len(ids) for _, _, ids in engine.calls),
-            "rounds": batch.meta["metrics"].get("rollout/rounds"),
-            "mean_turn_s": statistics.mean(engine_time(engine)), "mean_tool_s": statistics.mean(tool.latencies)}
+    return summary(engine, tool, batch, wall)
+
+
+SIDES = {
+    "rollout_rounds": lambda a, t, s: run_rollout(a, t, s, "rounds"),
+    "rollout_async": lambda a, t, s: run_rollout(a, t, s, "async"),
+    "agent_loop": run_agent_loop,
+}
 
 
 def main() -> None:
@@ -149,21 +145,18 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    tok_dir = args.tokenizer or build_tiny_tokenizer(tempfile.mkdtemp(prefix="bench_tok_"))
-    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    runs: dict[str, list[dict[str, Any]]] = {"async": [], "sync": []}
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or build_chat_tokenizer(tempfile.mkdtemp(prefix="bench_tok_")))
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SIDES}
+    names = list(SIDES)
     for r in range(args.repeats):
-        order = [("async", run_async), ("sync", run_sync)]
-        for name, fn in (order if r % 2 == 0 else order[::-1]):
-            runs[name].append(asyncio.run(fn(args, tokenizer, seed=r)))
-    med = {k: statistics.median(x["wall_s"] for x in v) for k, v in runs.items()}
+        for name in names[r % 3:] + names[: r % 3]:  # rotate the order: no side always runs first
+            runs[name].append(asyncio.run(SIDES[name](args, tokenizer, r)))
+    wall = {k: statistics.median(x["wall_s"] for x in v) for k, v in runs.items()}
     print(json.dumps({
-        "benchmark": "agent_loop_vs_round_synchronous_arpo",
+        "benchmark": "arpo_schedules",
         "config": vars(args),
-        "async_agent_loop_wall_s": round(med["async"], 3),
-        "round_synchronous_rollout_wall_s": round(med["sync"], 3),
-        "speedup": round(med["sync"] / med["async"], 3),
-        "goal_speedup": 1.6,
+        "median_wall_s": {k: round(v, 3) for k, v in wall.items()},
+        "speedup_over_rounds": {k: round(wall["rollout_rounds"] / v, 3) for k, v in wall.items()},
         "runs": runs,
     }, indent=1, default=float))
 

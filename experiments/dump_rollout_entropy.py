@@ -17,21 +17,29 @@ import argparse
 import asyncio
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
 logger = logging.getLogger("arpo.dump_rollout_entropy")
 
-#: digits kept of each token entropy (enough for plots; keeps committed dumps small)
-def dump(model: str, data: str, out: str, split: str = "test", limit: int = 64, n: int | None = None,
-         initial: int | None = None, backend: str = "vllm", overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """Roll out the first ``limit`` prompts of ``split``, write the rows to ``out``; returns the rollout's
-    metrics. The engine runs in this process and is shut down on the loop it served before returning."""
+def dump_jobs(jobs: Sequence[dict[str, Any]], data: str, split: str = "test", limit: int = 64,
+              n: int | None = None, initial: int | None = None, backend: str = "vllm",
+              overrides: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Dump each job's model (``{model, out, overrides}``) in turn; returns each one's metrics. One engine
+    serves every job whose engine settings and model architecture match the previous one's: it loads the next
+    checkpoint's weights instead of starting again (a start is most of a small dump's time)."""
+    return asyncio.run(_dump_jobs(jobs, data, split, limit, n, initial, backend, overrides))
+
+
+async def _dump_jobs(jobs, data, split, limit, n, initial, backend, overrides) -> list[dict[str, Any]]:
     import pandas as pd
+    from tqdm import tqdm
     from transformers import AutoTokenizer
 
     from arpo.analysis import rollout_rows
     from arpo.config import load_config
+    from arpo.engine.config import EngineConfig
     from arpo.engine.factory import create_engine
     from arpo.main_arpo import build_rollout
     from tools.registry import load_tools
@@ -40,32 +48,43 @@ def dump(model: str, data: str, out: str, split: str = "test", limit: int = 64, 
     df = pd.read_parquet(data_dir / f"{split}.parquet").head(limit)
     budget = ([f"actor_rollout_ref.rollout.n={n}"] if n else []) + \
         ([f"actor_rollout_ref.rollout.arpo.initial_rollouts={initial}"] if initial else [])
-    cfg = load_config("arpo_trainer", [
-        f"synthetic.out_dir={data_dir}", f"actor_rollout_ref.model.path={model}",
-        f"actor_rollout_ref.rollout.name={backend}", "actor_rollout_ref.rollout.mode=arpo", *budget, *overrides,
-        "actor_rollout_ref.rollout.arpo.return_entropy=true"])
-    tok = AutoTokenizer.from_pretrained(model)
-    prompts = [tok.apply_chat_template(list(p), add_generation_prompt=True, tokenize=True)["input_ids"]
-               for p in df.prompt]
-    tools = load_tools(cfg.tools)
-    engine = create_engine(cfg, ray_actor=False)
-    rollout = build_rollout(cfg, engine, tok, tools)
-
+    engine, engine_key, results = None, None, []
     try:
-        # asyncio.run, not rollout.generate's private loop (which it leaves open): on the way out it cancels the
-        # engine's output-handler task on its own loop, so the explicit shutdown below stops vLLM cleanly
-        batch = asyncio.run(rollout.agenerate(prompts))
+        for job in tqdm(jobs, desc="dump rollouts", unit="model", disable=len(jobs) < 2):
+            model = job["model"]
+            cfg = load_config("arpo_trainer", [
+                f"synthetic.out_dir={data_dir}", f"actor_rollout_ref.model.path={model}",
+                f"actor_rollout_ref.rollout.name={backend}", "actor_rollout_ref.rollout.mode=arpo", *budget,
+                *overrides, *job.get("overrides", []), "actor_rollout_ref.rollout.arpo.return_entropy=true"])
+            key = (replace(EngineConfig.from_cfg(cfg), model_path=""), (Path(model) / "config.json").read_text())
+            if engine is not None and key == engine_key:
+                await engine.update_weights(model)
+            else:
+                if engine is not None:
+                    engine.shutdown()
+                engine, engine_key = create_engine(cfg, ray_actor=False), key
+            tok = AutoTokenizer.from_pretrained(model)
+            prompts = [tok.apply_chat_template(list(p), add_generation_prompt=True, tokenize=True)["input_ids"]
+                       for p in df.prompt]
+            tools = load_tools(cfg.tools)
+            rollout = build_rollout(cfg, engine, tok, tools)
+            try:
+                batch = await rollout.agenerate(prompts)
+            finally:
+                rollout.close()
+                tools.close()
+            path = Path(job["out"])
+            path.parent.mkdir(parents=True, exist_ok=True)
+            rows = rollout_rows(batch, list(df.data_source))
+            with path.open("w") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
+            logger.info("wrote %d rollout rows to %s", len(rows), path)
+            results.append({"rows": len(rows), "out": str(path), **batch.meta.get("metrics", {})})
     finally:
-        engine.shutdown()
-        rollout.close()
-        tools.close()
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rows = rollout_rows(batch, list(df.data_source))
-    with path.open("w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
-    logger.info("wrote %d rollout rows to %s", len(rows), path)
-    return {"rows": len(rows), "out": str(path), **batch.meta.get("metrics", {})}
+        # on the loop the engine served: its output-handler task ends cleanly (no AsyncLLM.__del__ traceback)
+        if engine is not None:
+            engine.shutdown()
+    return results
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -85,15 +104,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if bool(args.jobs) == bool(args.model and args.out):
         parser.error("give either --model and --out, or --jobs")
     jobs = json.loads(Path(args.jobs).read_text()) if args.jobs else [{"model": args.model, "out": args.out}]
-    from tqdm import tqdm
-
     from arpo.tracking import json_safe
     from arpo.logging_utils import setup_logging
 
     setup_logging()
-    for job in tqdm(jobs, desc="dump rollouts", unit="model", disable=len(jobs) < 2):
-        result = dump(job["model"], args.data, job["out"], args.split, args.limit, args.n, args.initial,
-                      args.backend, [*args.overrides, *job.get("overrides", [])])
+    for result in dump_jobs(jobs, args.data, args.split, args.limit, args.n, args.initial, args.backend,
+                            args.overrides):
         print(json.dumps(json_safe(result)), flush=True)
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from arpo.config import REPO_ROOT, load_config
 from experiments import ablation
+from tests.test_main_arpo import check_training_run
 
 #: the smoke ablation's results, shared with tests/test_notebook.py (each module gets its own fixture, one run)
 _SMOKE: dict[str, Path] = {}
@@ -138,6 +139,7 @@ def test_smoke_advantage_suite_writes_results_and_skips_finished_runs(smoke_abla
         assert json.loads((run / "summary.json").read_text())["final_validation"]
         assert not (out / "runs" / variant / "seed4").exists() and not (runs / "advantage" / variant / "seed4").exists()
         assert (runs / "advantage" / variant / "seed3" / "checkpoints").is_dir()  # checkpoints stay out of --out
+        check_training_run(runs / "advantage" / variant / "seed3", steps=2, trajectories=4 * 4)
         dump = [json.loads(line) for line in (out / "rollouts" / f"{variant}.jsonl").read_text().splitlines()]
         assert len(dump) == ablation.SMOKE_DUMP_PROMPTS * 4 and all("token_entropy" in r for r in dump)
     # the dump's engine is shut down explicitly: no AsyncLLM.__del__ traceback at interpreter exit
@@ -173,6 +175,7 @@ def test_smoke_advantage_suite_writes_results_and_skips_finished_runs(smoke_abla
 SIGTERM_SCRIPT = r"""
 import subprocess, sys
 from experiments import ablation
+from tests.test_main_arpo import check_training_run
 
 def train(run):  # a training run that would take a minute
     proc = subprocess.Popen(["sleep", "60"])

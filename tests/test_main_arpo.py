@@ -1,5 +1,7 @@
 """The trainer entry point: start-up validation (fast) and real end-to-end runs (slow: real vLLM in a Ray actor,
-real FSDP2 workers on gloo, real tools, real rewards), soft and hard advantage, and resume after SIGKILL."""
+real FSDP2 workers on gloo, real tools, real rewards): a 2-rank run killed with SIGKILL and resumed, and the
+agent-loop path. Soft and hard advantage train end to end in the ablation smoke (tests/test_ablation.py), which
+checks its runs with ``check_training_run`` too."""
 
 from __future__ import annotations
 
@@ -65,30 +67,27 @@ def _run_training(sft_model_dir: Path, out: Path, *overrides: str, timeout: int 
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, env=_env())
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["soft", "hard"])
-def test_arpo_training_end_to_end(sft_model_dir, tmp_path, mode):
-    out = tmp_path / mode
-    r = _run_training(sft_model_dir, out, f"algorithm.advantage_mode={mode}", "trainer.total_training_steps=2",
-                      "trainer.test_freq=2", "trainer.save_freq=2")
-    assert r.returncode == 0, r.stderr[-4000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert "val-core/all/reward/mean" in summary["final_validation"]
-    steps = {m["step"]: m for m in _metrics(out) if m["step"] > 0}
-    assert sorted(steps) == [1, 2]
-    for m in steps.values():
+def check_training_run(out: Path, steps: int, trajectories: int, model_type: str = "qwen2") -> None:
+    """What every finished training run must leave: per-step metrics under verl's names, engine outputs that
+    move with the weights after every update, a final validation, the last checkpoint and an HF export.
+    Used by the resume test here (2 ranks, soft) and by the ablation smoke (1 rank, grpo/soft/hard), which
+    are the suite's end-to-end trainings."""
+    from transformers import AutoConfig
+
+    metrics = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    by_step = {m["step"]: m for m in metrics if m["step"] > 0}  # a resumed run logs some steps twice: last wins
+    assert sorted(by_step) == list(range(1, steps + 1))
+    for m in by_step.values():
         for key in ("critic/score/mean", "critic/advantages/mean", "actor/pg_loss", "actor/grad_norm",
                     "rollout/trajectories", "rollout/tool_calls/total", "timing_s/gen", "timing_s/update_actor",
                     "rollout/weight_sync_probe", "response_length/mean"):
             assert key in m, key
-        # every prompt yields exactly M trajectories
-        assert m["rollout/trajectories"] == 4 * 4
-    # the engine's outputs move with the actor's weights after every update
-    assert steps[1]["rollout/weight_sync_probe"] != steps[2]["rollout/weight_sync_probe"]
-    assert (out / "checkpoints" / "global_step_2" / "trainer_state.pt").exists()
-    from transformers import AutoModelForCausalLM
-
-    assert AutoModelForCausalLM.from_pretrained(out / "hf_model").config.model_type == "qwen2"
+        assert m["rollout/trajectories"] == trajectories  # every prompt yields exactly M trajectories
+    probes = [by_step[s]["rollout/weight_sync_probe"] for s in sorted(by_step)]
+    assert all(a != b for a, b in zip(probes, probes[1:])), probes
+    assert "val-core/all/reward/mean" in json.loads((out / "summary.json").read_text())["final_validation"]
+    assert (out / "checkpoints" / f"global_step_{steps}" / "trainer_state.pt").exists()
+    assert AutoConfig.from_pretrained(out / "hf_model").model_type == model_type
 
 
 @pytest.mark.slow
@@ -99,7 +98,8 @@ def test_sigkill_mid_training_resumes_from_the_last_checkpoint(sft_model_dir, tm
     data = sft_model_dir.parents[1] / "data" / "synthetic"
     args = _cmd(f"actor_rollout_ref.model.path={sft_model_dir}", f"synthetic.out_dir={data}",
                 f"trainer.output_dir={out}", "trainer.logger=[console,jsonl]", "trainer.total_training_steps=4",
-                "trainer.save_freq=1", "trainer.test_freq=-1", "trainer.val_before_train=false")
+                "trainer.save_freq=1", "trainer.test_freq=4", "trainer.val_before_train=false",
+                "trainer.validation.max_samples=8", "algorithm.advantage_mode=soft")
     proc = subprocess.Popen(args, cwd=REPO_ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     ckpt2 = out / "checkpoints" / "global_step_2"
@@ -127,6 +127,7 @@ def test_sigkill_mid_training_resumes_from_the_last_checkpoint(sft_model_dir, tm
     # every step is logged, the steps after the checkpoint once more by the resumed run, none skipped
     assert set(logged) == {1, 2, 3, 4}
     assert logged[-(4 - killed_at):] == list(range(killed_at + 1, 5))
+    check_training_run(out, steps=4, trajectories=4 * 4)
 
 
 @pytest.mark.slow

@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from arpo.batch import Trajectory
 from arpo.engine.base import SamplingParams
+from arpo.rollout.tool_executor import TRUNCATE_SIDES
 
 if TYPE_CHECKING:
     from arpo.agent_loop.server_manager import ServerManager
+    from arpo.rollout.tool_executor import ToolExecutor
     from arpo.agent_loop.templating import ChatTemplater
     from tools.base import BaseTool
 
-TRUNCATE_SIDES = ("left", "right", "middle")
 TOOL_CALL_FORMATS = ("hermes", "arpo_tags")
 
 
@@ -38,12 +38,17 @@ class MultiTurnConfig:
     max_user_turns: int | None = None
     max_assistant_turns: int | None = None
     max_parallel_calls: int = 1
-    max_tool_response_length: int = 256
+    #: characters kept of a tool response; None: no limit.
+    max_tool_response_length: int | None = 256
     tool_response_truncate_side: str = "middle"
     #: seconds before a tool call is abandoned (its result becomes an error message); None: no limit.
     tool_timeout_s: float | None = None
     #: threads that run blocking tool calls (ARPO's released code uses 64).
     tool_workers: int = 64
+    #: further tries of a call that raised, timed out or (``retry_on_empty``) returned nothing (ours; verl
+    #: has none, the released ARPO code 3).
+    tool_retries: int = 0
+    retry_on_empty: bool = False
 
     def validate(self) -> "MultiTurnConfig":
         if self.format not in TOOL_CALL_FORMATS:
@@ -53,8 +58,13 @@ class MultiTurnConfig:
                              f"use one of {list(TRUNCATE_SIDES)}")
         if self.max_parallel_calls < 1:
             raise ValueError(f"multi_turn.max_parallel_calls={self.max_parallel_calls}: must be >= 1")
-        if self.max_tool_response_length < 1:
-            raise ValueError(f"multi_turn.max_tool_response_length={self.max_tool_response_length}: must be >= 1")
+        if self.max_tool_response_length is not None and self.max_tool_response_length < 1:
+            raise ValueError(f"multi_turn.max_tool_response_length={self.max_tool_response_length}: must be >= 1, "
+                             f"or null for no limit")
+        if self.tool_retries < 0:
+            raise ValueError(f"multi_turn.tool_retries={self.tool_retries}: must be >= 0")
+        if self.tool_timeout_s is not None and self.tool_timeout_s <= 0:
+            raise ValueError(f"multi_turn.tool_timeout_s={self.tool_timeout_s}: must be > 0, or null for no limit")
         for key in ("max_user_turns", "max_assistant_turns"):
             value = getattr(self, key)
             if value is not None and value < 0:
@@ -123,7 +133,8 @@ class AgentLoopContext:
     tools: dict[str, "BaseTool"]
     multi_turn: MultiTurnConfig
     response_length: int
-    tool_executor: ThreadPoolExecutor
+    #: the one tool-execution path of every rollout mode (retries, timeouts, error texts, truncation)
+    tool_executor: "ToolExecutor"
 
 
 class AgentLoopBase(ABC):
@@ -153,7 +164,8 @@ def register(agent_name: str):
     """Class decorator: make a loop selectable by ``agent_name``."""
 
     def decorator(cls: type[AgentLoopBase]) -> type[AgentLoopBase]:
-        _REGISTRY[agent_name] = {"_target_": f"{cls.__module__}.{cls.__qualname__}"}
+        # a YAML entry registered before this module was imported (resolve_agent_loop imports lazily) wins
+        _REGISTRY.setdefault(agent_name, {"_target_": f"{cls.__module__}.{cls.__qualname__}"})
         return cls
 
     return decorator

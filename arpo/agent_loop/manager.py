@@ -14,7 +14,6 @@ import logging
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Coroutine, Sequence, TypeVar
@@ -29,6 +28,7 @@ from arpo.agent_loop.server_manager import ServerManager
 from arpo.agent_loop.templating import ChatTemplater
 from arpo.batch import DataBatch, Trajectory, collate_trajectories
 from arpo.engine.base import SamplingParams
+from arpo.rollout.tool_executor import ToolExecutor
 from tools.base import BaseTool
 
 # Importing the modules registers their loops under their decorator names.
@@ -106,7 +106,11 @@ class AgentLoopManager:
             if tool.name:
                 tool_map[tool.name] = tool
         self.server_manager = ServerManager(servers, max_cache_size=self.config.max_cache_size)
-        self._tool_executor = ThreadPoolExecutor(self.config.multi_turn.tool_workers, thread_name_prefix="tool")
+        mt = self.config.multi_turn
+        self._tool_executor = ToolExecutor(tool_map, max_workers=mt.tool_workers, timeout_s=mt.tool_timeout_s,
+                                           retries=mt.tool_retries, retry_on_empty=mt.retry_on_empty,
+                                           max_result_chars=mt.max_tool_response_length,
+                                           truncate_side=mt.tool_response_truncate_side)
         self.context = AgentLoopContext(
             server_manager=self.server_manager,
             tokenizer=tokenizer,
@@ -140,6 +144,7 @@ class AgentLoopManager:
             raise ValueError(f"n={n}: each prompt needs at least one trajectory (rollout.n >= 1)")
         rows = self._rows(batch)
         params = sampling_params or SamplingParams(max_tokens=self.config.response_length)
+        meta = batch.meta if isinstance(batch, DataBatch) else {}
         semaphore = asyncio.Semaphore(self.config.max_concurrency)
         start = time.perf_counter()
         jobs: list[tuple[int, Coroutine[Any, Any, list[AgentLoopOutput]]]] = []
@@ -148,10 +153,11 @@ class AgentLoopManager:
             fields = {k: v for k, v in row.items() if k not in ("raw_prompt", "agent_name", "uid")}
             runs = 1 if cls.returns_group else n
             for k in range(runs):
-                extra = {"n": n} if cls.returns_group else {}
-                run_params = params
-                # same seed on every sample = n identical samples; on every group = the same branching draws
-                if params.seed is not None and (runs > 1 or cls.returns_group):
+                run_params, extra = params, {}
+                if cls.returns_group:  # the whole group, its draws seeded by (call seed, row) as in the batch rollout
+                    extra = {"n": n, "group": g, "call_seed": meta.get("seed", params.seed),
+                             "rollout_overrides": meta.get("rollout_overrides")}
+                elif params.seed is not None and runs > 1:  # the same seed on every sample: n identical samples
                     run_params = params.with_(seed=(params.seed * 1_000_003 + g * 1009 + k) & 0x7FFFFFFF)
                 jobs.append((g, self._run_one(semaphore, cls, kwargs, row["raw_prompt"], run_params, fields,
                                               extra)))
@@ -211,7 +217,7 @@ class AgentLoopManager:
                 self._loop_thread.join(timeout=10)
             self._loop.close()
             self._loop = None
-        self._tool_executor.shutdown(wait=False, cancel_futures=True)
+        self._tool_executor.close()
 
     # -------------------------------------------------------------------------------- internals
 

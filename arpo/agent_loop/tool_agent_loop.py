@@ -9,24 +9,21 @@ result (the last turn is always the model's, so the final token's reward has a m
 from __future__ import annotations
 
 import asyncio
-import copy
-import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from arpo.agent_loop.base import AgentLoopBase, AgentLoopContext, AgentLoopOutput, register
-from arpo.agent_loop.tool_parsers import ParsedCall, make_tool_parser, truncate_text
+from arpo.agent_loop.tool_parsers import ParsedCall, make_tool_parser
+from arpo.rollout.tool_executor import truncate_text
 from arpo.engine.base import GenerationOutput, SamplingParams
 from arpo.protocol import format_tool_result
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
 class Conversation:
-    """The running state of one trajectory (copied when ARPO forks it)."""
+    """The running state of one conversation."""
 
     session_id: str
     prompt_ids: list[int]
@@ -35,20 +32,12 @@ class Conversation:
     assistant_turns: int = 0
     user_turns: int = 0
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
-    token_entropy: list[float] | None = None
     metrics: dict[str, float] = field(default_factory=lambda: {"generate_sequences": 0.0, "tool_calls": 0.0})
     finish_reason: str = ""
 
-    def append(self, ids: list[int], model_generated: bool, entropy: list[float] | None = None) -> None:
+    def append(self, ids: list[int], model_generated: bool) -> None:
         self.response_ids.extend(ids)
         self.response_mask.extend([1 if model_generated else 0] * len(ids))
-        if self.token_entropy is not None:
-            self.token_entropy.extend(entropy if entropy is not None else [float("nan")] * len(ids))
-
-    def fork(self, session_id: str) -> "Conversation":
-        child = copy.deepcopy(self)
-        child.session_id = session_id
-        return child
 
     def to_output(self, response_length: int) -> AgentLoopOutput:
         return AgentLoopOutput(
@@ -59,7 +48,6 @@ class Conversation:
             metrics=dict(self.metrics),
             finish_reason=self.finish_reason,
             tool_calls=self.tool_calls,
-            token_entropy=self.token_entropy[:response_length] if self.token_entropy is not None else None,
         )
 
 
@@ -107,13 +95,9 @@ class ToolAgentLoop(AgentLoopBase):
         out = await self.ctx.server_manager.generate(conv.session_id, conv.prompt_ids + conv.response_ids,
                                                      turn_params)
         conv.metrics["generate_sequences"] += time.perf_counter() - start
-        conv.append(list(out.token_ids), model_generated=True, entropy=self.token_entropies(out))
+        conv.append(list(out.token_ids), model_generated=True)
         conv.assistant_turns += 1
         return out
-
-    def token_entropies(self, out: GenerationOutput) -> list[float] | None:
-        """Per-token entropies to record (none here; the ARPO loop records them)."""
-        return None
 
     def after_generation(self, conv: Conversation, out: GenerationOutput) -> list[ParsedCall]:
         """The calls to run now, or [] after setting ``conv.finish_reason`` when the conversation ends."""
@@ -166,19 +150,10 @@ class ToolAgentLoop(AgentLoopBase):
         return templater.message_ids([{"role": "tool", "content": t} for t in texts], after=conv.response_ids)
 
     async def call_tool(self, call: ParsedCall) -> tuple[str, bool]:
-        """(text for the model, whether the call failed); never raises."""
-        cfg = self.ctx.multi_turn
+        """(text for the model, whether the call failed); never raises. Runs on the shared tool executor, the
+        same path (retries, timeouts, error texts, truncation) as every other rollout mode."""
+        ex = self.ctx.tool_executor
         if call.error:
-            return truncate_text(call.error, cfg.max_tool_response_length, cfg.tool_response_truncate_side), True
-        tool = self.ctx.tools[call.name]
-        run = (lambda: tool.call_text(call.text)) if call.text is not None else (lambda: tool.call(call.arguments))
-        failed = False
-        try:
-            future = asyncio.get_running_loop().run_in_executor(self.ctx.tool_executor, run)
-            text = str(await asyncio.wait_for(future, cfg.tool_timeout_s) if cfg.tool_timeout_s else await future)
-        except asyncio.TimeoutError:
-            text, failed = f"Error: tool '{call.name}' timed out after {cfg.tool_timeout_s} s.", True
-        except Exception as err:  # a tool must never crash the rollout
-            logger.warning("tool %s raised %s", call.name, err)
-            text, failed = f"Error: tool '{call.name}' failed: {type(err).__name__}: {err}", True
-        return truncate_text(text, cfg.max_tool_response_length, cfg.tool_response_truncate_side), failed
+            return truncate_text(call.error, ex.max_result_chars, ex.truncate_side), True
+        result = await ex.arun(call.name, call.text if call.text is not None else call.arguments)
+        return result.text, not result.ok

@@ -99,18 +99,3 @@ def make_tool_parser(fmt: str, tool_names: list[str]) -> HermesToolParser | Arpo
     if fmt == "arpo_tags":
         return ArpoTagParser(tool_names)
     raise ValueError(f"multi_turn.format={fmt!r}: use 'hermes' or 'arpo_tags'")
-
-
-def truncate_text(text: str, max_length: int, side: str) -> str:
-    """Cut ``text`` to about ``max_length`` characters with a visible marker (verl's sides, see MultiTurnConfig)."""
-    if len(text) <= max_length:
-        return text
-    if side == "left":
-        return text[:max_length] + "...(truncated)"
-    if side == "right":
-        return "(truncated)..." + text[-max_length:]
-    if side == "middle":
-        head = max_length // 2
-        tail = max_length - head
-        return text[:head] + "...(truncated)..." + text[-tail:]
-    raise ValueError(f"tool_response_truncate_side={side!r}: use 'left', 'right' or 'middle'")

@@ -93,7 +93,7 @@ from arpo.rollout.tool_executor import ToolExecutor
 from arpo.rollout.tree import MalformedCall, RolloutTree
 from tools.base import BaseTool
 
-__all__ = ["ARPORollout", "ARPORolloutConfig", "derive_seed"]
+__all__ = ["ARPORollout", "ARPORolloutConfig", "RolloutCall", "derive_seed"]
 
 
 class ARPORollout:
@@ -152,7 +152,8 @@ class ARPORollout:
             group_uids = [str(uuid.UUID(int=uid_rng.getrandbits(128), version=4)) for _ in prompts]
         if len(group_uids) != len(prompts):
             raise ValueError(f"{len(group_uids)} group uids for {len(prompts)} prompts")
-        call = _RolloutCall(self, cfg, [list(map(int, p)) for p in prompts], seed)
+        call = RolloutCall(self.engine, self.tokenizer, self.executor, cfg, [list(map(int, p)) for p in prompts],
+                           seed, self.call_rate_prior)
         trajectories = await call.run()
         self.call_rate_prior = call.tree.call_rates.rates()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -198,14 +199,20 @@ class ARPORollout:
             self._loop.close()
 
 
-class _RolloutCall:
+class RolloutCall:
     """One rollout call: its tree, and the engine requests and tool calls that move it, under a schedule
-    (so nothing can leak into the next call)."""
+    (so nothing can leak into the next call). The batch rollout makes one per batch; the ARPO agent loop
+    one per prompt group, with the group's row in ``group_ids`` so that it rolls out the same tree."""
 
-    def __init__(self, owner: ARPORollout, cfg: ARPORolloutConfig, prompts: list[list[int]], seed: int):
-        self.cfg, self.executor, self.n_groups = cfg, owner.executor, len(prompts)
+    def __init__(self, engine: GenerationEngine, tokenizer: Any, executor: ToolExecutor, cfg: ARPORolloutConfig,
+                 prompts: list[list[int]], seed: int, call_rate_prior: dict[int, float] | None = None,
+                 group_ids: list[int] | None = None):
+        self.cfg, self.executor, self.n_groups = cfg, executor, len(prompts)
+        group_ids = list(range(len(prompts))) if group_ids is None else list(group_ids)
+        if len(group_ids) != len(prompts):
+            raise ValueError(f"{len(group_ids)} group ids for {len(prompts)} prompts")
         self.m = RolloutMetrics()
-        tool_names = list(self.executor.tool_names)
+        tool_names = [n for n in executor.tool_names if n in TOOL_TAGS]
         want_logprobs = cfg.mode == "arpo" or cfg.return_entropy
         params = SamplingParams(
             temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
@@ -214,11 +221,11 @@ class _RolloutCall:
             logprobs=cfg.topk_logprobs if want_logprobs else None,
         )
         self.segments = SegmentRequester(
-            owner.engine, owner.tokenizer, params, seed=seed, nonce=uuid.uuid4().hex[:8],  # request ids only
-            window=cfg.entropy_window, max_response_length=cfg.max_response_length,
+            engine, tokenizer, params, seed=seed, nonce=uuid.uuid4().hex[:8],  # request ids only
+            group_ids=group_ids, window=cfg.entropy_window, max_response_length=cfg.max_response_length,
             window_logprobs_only=want_logprobs and not cfg.return_entropy, metrics=self.m)
-        self.tree = RolloutTree(cfg, owner.tokenizer, prompts, seed, tool_names, owner.call_rate_prior, self.m,
-                                self.segments.cut_at_stop)
+        self.tree = RolloutTree(cfg, tokenizer, prompts, seed, tool_names, call_rate_prior or {}, self.m,
+                                self.segments.cut_at_stop, group_ids)
         #: set once the group's initial entropy is known (``initial_entropy_scope: group``)
         self.h0_settled = [asyncio.Event() for _ in prompts]
         #: schedule async: one task per branch that has started, by tid

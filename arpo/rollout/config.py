@@ -12,7 +12,7 @@ from arpo.rollout.branching import BranchingConfig
 
 CONFIG_PREFIX = "actor_rollout_ref.rollout.arpo"
 MODES = ("arpo", "single")
-FILLS = ("fresh", "duplicate")
+FILLS = ("fresh", "released", "duplicate")
 SCHEDULES = ("async", "rounds")
 
 

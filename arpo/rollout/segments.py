@@ -56,8 +56,10 @@ class SegmentRequester:
     output depends on the order requests complete in), request ids, and the engine-side counters."""
 
     def __init__(self, engine: GenerationEngine, tok: Any, params: SamplingParams, *, seed: int, nonce: str,
-                 window: int, max_response_length: int, window_logprobs_only: bool, metrics: RolloutMetrics):
+                 group_ids: list[int], window: int, max_response_length: int, window_logprobs_only: bool,
+                 metrics: RolloutMetrics):
         self.engine, self.tok, self.params, self.seed, self.nonce = engine, tok, params, seed, nonce
+        self.group_ids = group_ids
         self.window, self.max_response_length = window, max_response_length
         self.want_logprobs = params.logprobs is not None
         #: branching needs logprobs on each segment's entropy window only
@@ -100,11 +102,11 @@ class SegmentRequester:
 
     async def _call(self, b: Branch, max_tokens: int, logprobs: bool, after: list[int] | None = None,
                     detokenize: bool = True) -> GenerationOutput:
-        params = self.params.with_(max_tokens=max_tokens, seed=derive_seed(self.seed, b.group, b.key, b.n_requests),
+        params = self.params.with_(max_tokens=max_tokens, seed=derive_seed(self.seed, self.group_ids[b.group], b.key, b.n_requests),
                                    logprobs=self.params.logprobs if logprobs else None)
         if not detokenize:
             params = params.with_(stop=(), detokenize=False, stop_token_ids=self.stop_ids or params.stop_token_ids)
-        request_id = f"arpo-{self.nonce}-g{b.group}-t{b.local}-r{b.n_requests}"
+        request_id = f"arpo-{self.nonce}-g{self.group_ids[b.group]}-t{b.local}-r{b.n_requests}"
         first_of_branch = b.kind == "branch" and b.n_requests == 0
         b.n_requests += 1
         prompt = b.prompt_ids + b.response_ids + list(after or [])

@@ -17,7 +17,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 from tools.base import BaseTool
 
@@ -36,28 +36,43 @@ class ToolResult:
     error: str | None = None
 
 
-def truncate_middle(text: str, max_chars: int | None) -> str:
-    """Keep the head and tail of an over-long result with a note of how much was cut (None: no limit)."""
+TRUNCATE_SIDES = ("left", "right", "middle")
+
+
+def truncate_text(text: str, max_chars: int | None, side: str = "middle") -> str:
+    """Cut an over-long result to ``max_chars`` characters with a visible marker, as verl does
+    (``tool_response_truncate_side``): "left" keeps the head, "right" the tail, "middle" both ends."""
     if max_chars is None or len(text) <= max_chars:
         return text
-    half = max_chars // 2
-    return f"{text[:half]}\n...[{len(text) - 2 * half} characters truncated]...\n{text[len(text) - half:]}"
+    if side == "left":
+        return text[:max_chars] + "...(truncated)"
+    if side == "right":
+        return "(truncated)..." + text[-max_chars:]
+    if side == "middle":
+        head = max_chars // 2
+        return text[:head] + "...(truncated)..." + text[len(text) - (max_chars - head):]
+    raise ValueError(f"tool_response_truncate_side={side!r}: use one of {list(TRUNCATE_SIDES)}")
 
 
 class ToolExecutor:
-    """Executes ``(tool name, tag content)`` calls on :class:`~tools.base.BaseTool` objects by tag name."""
+    """Executes tool calls on :class:`~tools.base.BaseTool` objects by name: an ARPO tag's content, or a
+    function call's arguments (hermes). Every rollout mode runs its tools here, so a result reads the same
+    (retries, timeouts, error texts, truncation) whichever path produced the trajectory."""
 
     def __init__(
         self,
         tools: Mapping[str, BaseTool] | Iterable[BaseTool],
         max_workers: int = 64,
-        timeout_s: float = 120.0,
+        timeout_s: float | None = 120.0,
         retries: int = 3,
         retry_on_empty: bool = True,
         max_result_chars: int | None = None,
+        truncate_side: str = "middle",
     ):
-        if timeout_s <= 0:
-            raise ValueError(f"tool timeout_s must be > 0 (got {timeout_s})")
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"tool timeout_s must be > 0, or None for no limit (got {timeout_s})")
+        if truncate_side not in TRUNCATE_SIDES:
+            raise ValueError(f"tool truncate_side={truncate_side!r}: use one of {list(TRUNCATE_SIDES)}")
         if retries < 0:
             raise ValueError(f"tool retries must be >= 0 (got {retries})")
         if max_workers < 1:
@@ -67,14 +82,16 @@ class ToolExecutor:
         self.retries = retries
         self.retry_on_empty = retry_on_empty
         self.max_result_chars = max_result_chars
+        self.truncate_side = truncate_side
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="arpo-tool")
 
     @property
     def tool_names(self) -> list[str]:
         return list(self.tools)
 
-    async def arun(self, tool: str, content: str) -> ToolResult:
-        """Run one call (retrying as configured) without blocking the event loop."""
+    async def arun(self, tool: str, content: str | dict[str, Any]) -> ToolResult:
+        """Run one call (retrying as configured) without blocking the event loop; ``content`` is a tag's text
+        or a function call's arguments."""
         start = time.perf_counter()
         impl = self.tools.get(tool)
         if impl is None:
@@ -85,8 +102,8 @@ class ToolExecutor:
         attempts = 0
         for attempts in range(1, self.retries + 2):
             try:
-                text = await asyncio.wait_for(loop.run_in_executor(self._pool, impl.call_text, content),
-                                              timeout=self.timeout_s)
+                run = impl.call_text if isinstance(content, str) else impl.call
+                text = await asyncio.wait_for(loop.run_in_executor(self._pool, run, content), timeout=self.timeout_s)
                 text = "" if text is None else str(text)
                 error = None if text.strip() or not self.retry_on_empty else "empty result"
             except asyncio.TimeoutError:
@@ -96,10 +113,10 @@ class ToolExecutor:
             if error is None:
                 break
             logger.debug("tool %s attempt %d/%d: %s", tool, attempts, self.retries + 1, error)
-        return ToolResult(tool, truncate_middle(text, self.max_result_chars), ok=error is None,
+        return ToolResult(tool, truncate_text(text, self.max_result_chars, self.truncate_side), ok=error is None,
                           attempts=attempts, elapsed_s=time.perf_counter() - start, error=error)
 
-    async def arun_many(self, calls: list[tuple[str, str]]) -> list[ToolResult]:
+    async def arun_many(self, calls: list[tuple[str, str | dict[str, Any]]]) -> list[ToolResult]:
         """Run calls concurrently; results come back in the order of ``calls``."""
         return list(await asyncio.gather(*(self.arun(tool, content) for tool, content in calls)))
 

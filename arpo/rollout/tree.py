@@ -38,8 +38,11 @@ class RolloutTree:
 
     def __init__(self, cfg: ARPORolloutConfig, tok: Any, prompts: list[list[int]], seed: int,
                  tool_names: list[str], call_rate_prior: dict[int, float], metrics: RolloutMetrics,
-                 cut_at_stop: Callable[..., tuple]):
+                 cut_at_stop: Callable[..., tuple], group_ids: list[int]):
         self.cfg, self.bcfg, self.tok, self.prompts = cfg, cfg.branching(), tok, prompts
+        #: each group's identity in the seeds of its decisions (its row in the batch), so a group rolled out
+        #: alone (one agent loop) draws exactly what it draws in the batch rollout
+        self.group_ids = group_ids
         self.m, self.cut_at_stop = metrics, cut_at_stop
         vocab_size = cfg.vocab_size or len(tok)
         self.log_v = math.log(vocab_size)
@@ -49,8 +52,8 @@ class RolloutTree:
         self.by_group: list[list[Branch]] = [[] for _ in prompts]
         self.budgets = [GroupBudget(cfg.n) for _ in prompts]
         #: who gets each group's slots, and when (ordered grants, spare slots for fills)
-        self.slots = [GroupSlots(self.lookahead, self.budgets[g], g, self.by_group[g], self.first_decision_depth,
-                                 cfg.branch_grant) for g in range(len(prompts))]
+        self.slots = [GroupSlots(self.lookahead, self.budgets[g], group_ids[g], self.by_group[g],
+                                 self.first_decision_depth, cfg.branch_grant) for g in range(len(prompts))]
         self.call_rates = CallRates(len(prompts), call_rate_prior)
         #: ``initial_entropy_scope: group``: each group's mean initial entropy, once every initial root has one
         self.group_h0: list[float | None] = [None] * len(prompts)
@@ -264,7 +267,7 @@ class RolloutTree:
         other decisions could still compete for the slots, once its turn in the fixed order comes. The
         parent never waits: it goes on generating, and the forks copy its tokens up to ``pos`` (and its
         records as they are now) when they are granted."""
-        rng = self.lookahead.rng(b.group, b.key, b.n_calls)
+        rng = self.lookahead.rng(self.group_ids[b.group], b.key, b.n_calls)
         record["delta_entropy"] = delta_h
         self.m.values["delta_entropy"].append(delta_h)
         self.m.count["branch_points"] += 1
@@ -302,19 +305,25 @@ class RolloutTree:
             self.progress.update(1)
 
     def fill(self, groups: Iterable[int]) -> None:
-        """Give groups their missing trajectories. Fresh fills start as soon as the budget left exceeds what
-        branching could still take (so they need not wait for the group to finish; fill roots never branch,
-        so every branching decision sees the same budget as with filling at the end). Duplicates need the
-        group's last trajectory, so they wait until the group has finished."""
+        """Give groups their missing trajectories. ``fresh``: fills start as soon as the budget left exceeds
+        what branching could still take (so they need not wait for the group to finish; fill roots never
+        branch, so every branching decision sees the same budget as with filling at the end). ``released``
+        (the released code's loop): a group with nothing left running gets one more root, which may branch,
+        until it has M. ``duplicate``: copies of the group's last trajectory once it has finished."""
         for g in groups:
             self.slots[g].resolve()  # decisions whose turn has come hold their slots before anything is spare
             group = self.by_group[g]
             budget = self.budgets[g]
             if budget.remaining == 0 and not any(b.speculative for b in group):
                 continue
+            idle = not any(b.phase is not Phase.DONE and not b.speculative for b in group) and not self.slots[g].pending
             if self.cfg.fill == "fresh":
                 self._fill_fresh(g)
-            elif not any(b.phase is not Phase.DONE and not b.speculative for b in group) and not self.slots[g].pending:
+            elif self.cfg.fill == "released":
+                if idle:  # one late root at a time, which branches like the first ones
+                    budget.reserve(1)
+                    self._new_root(g, "initial")
+            elif idle:
                 granted = budget.reserve(budget.remaining)
                 last = max((b for b in group if not b.discarded), key=lambda b: canonical(b.key))
                 for _ in range(granted):

@@ -81,7 +81,10 @@ class RayARPOTrainer:
         v = self.cfg.trainer.validation
         # Seeds follow the step, so a resumed run samples exactly what the uninterrupted one would have.
         prompts.meta["seed"] = (int(self.cfg.trainer.seed) * 1_000_003 + self.global_step * 2 + validation) & 0x7FFFFFFF
-        if r.mode == "agent_loop":
+        if validation:
+            prompts.meta["rollout_overrides"] = {"mode": "single", "n": v.n, "initial_rollouts": v.n,
+                                                 "temperature": v.temperature, "top_p": v.top_p, "top_k": v.top_k}
+        if r.mode == "agent_loop":  # per-sample loops take verl's sampling params; group loops the overrides too
             from arpo.engine.base import SamplingParams
 
             a = r.arpo
@@ -90,9 +93,6 @@ class RayARPOTrainer:
                 top_k=v.top_k if validation else a.top_k, max_tokens=int(self.cfg.data.max_response_length),
                 seed=prompts.meta["seed"])
             return self.rollout.generate_sequences(prompts, n=v.n if validation else r.n, sampling_params=params)
-        if validation:
-            prompts.meta["rollout_overrides"] = {"mode": "single", "n": v.n, "initial_rollouts": v.n,
-                                                 "temperature": v.temperature, "top_p": v.top_p, "top_k": v.top_k}
         return self.rollout.generate_sequences(prompts)
 
     def _score(self, batch: DataBatch) -> tuple[DataBatch, dict[str, float]]:

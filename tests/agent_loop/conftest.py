@@ -5,13 +5,13 @@ from typing import Any
 
 import pytest
 
-from tests.agent_loop.tiny_tokenizer import build_tiny_tokenizer
+from arpo.engine.fake import build_chat_tokenizer
 from tools.base import BaseTool
 
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> str:
-    return build_tiny_tokenizer(tmp_path_factory.mktemp("tiny_tokenizer"))
+    return build_chat_tokenizer(tmp_path_factory.mktemp("tiny_tokenizer"))
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@ import time
 import pytest
 
 from arpo.agent_loop import MultiTurnConfig
-from arpo.agent_loop.tool_parsers import truncate_text
+from arpo.rollout.tool_executor import truncate_text
 from arpo.protocol import format_tool_result
 from tests.agent_loop.conftest import BrokenPython, EchoSearch
 from arpo.engine.base import SamplingParams

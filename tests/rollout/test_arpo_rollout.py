@@ -15,7 +15,7 @@ import torch
 from arpo.batch import DataBatch
 from arpo.engine.fake import ScriptedEngine, ScriptPolicy, ToyTokenizer
 from arpo.protocol import RESULT_CLOSE, TOOL_TAGS, format_tool_result
-from arpo.rollout.arpo_rollout import ARPORollout, ARPORolloutConfig, _RolloutCall
+from arpo.rollout.arpo_rollout import ARPORollout, ARPORolloutConfig, RolloutCall
 from tests.rollout.fake_tools import BrokenSearch, FakePython, FakeSearch
 
 CLOSE_TAGS = [c for _, c in TOOL_TAGS.values()]
@@ -156,7 +156,7 @@ def random_case(seed: int):
         paper_beta=r.choice([0.2, 1.0]), paper_tau=0.5, entropy_window=r.choice([1, 5, 20]),
         topk_logprobs=r.choice([1, 5, 10]), entropy_reduction=r.choice(["mean", "sum"]),
         initial_entropy_scope=r.choice(["trajectory", "group"]), tool_call_limit=r.choice([0, 1, 3, 6]),
-        max_response_length=r.choice([30, 120, 400]), fill=r.choice(["fresh", "duplicate"]),
+        max_response_length=r.choice([30, 120, 400]), fill=r.choice(["fresh", "released", "duplicate"]),
         return_entropy=r.random() < 0.7,
         tool_retries=r.choice([0, 1]), schedule=r.choice(["async", "rounds"]),
         branch_grant=r.choice(["ordered", "first_come"]),
@@ -255,13 +255,13 @@ def test_look_ahead_over_future_draws_never_undercounts(seed, monkeypatch):
     # Ordered grants and early fills rest on _tree_forks: the most forks a trajectory's future decisions can
     # take, from draws known in advance. Check it against what the decisions really did.
     calls = []
-    run = _RolloutCall.run
+    run = RolloutCall.run
 
     async def keep(self):
         calls.append(self)
         return await run(self)
 
-    monkeypatch.setattr(_RolloutCall, "run", keep)
+    monkeypatch.setattr(RolloutCall, "run", keep)
     cfg, policy, tools, split_tags, n_prompts = random_case(2000 + seed)
     n = max(4, cfg["n"])  # room to fork: at most half the budget starts, every decision may fork
     cfg = {**cfg, "mode": "arpo", "n": n, "initial_rollouts": max(1, min(cfg["initial_rollouts"], n // 2)),
@@ -456,6 +456,28 @@ def test_fill_modes():
             assert r["finish"] == rs[r["parent"]]["finish"]
     assert dup.meta["metrics"]["rollout/fill_duplicate"] == 8
     check_invariants(dup, gen.config, engine.tokenizer, 2)
+
+
+@pytest.mark.parametrize("branch_probability", [0.0, 1.0])
+def test_released_fill_adds_one_root_at_a_time_that_may_branch(branch_probability):
+    # the released code's loop: a group with nothing left running gets one more root per round until it has M
+    calls = branch_probability > 0
+    policy = ScriptPolicy(call_prob=1.0 if calls else 0.0, call_decay=0.0)
+    cfg = dict(n=8, initial_rollouts=2, beam_size=2, branch_probability=branch_probability, entropy_weight=0.0,
+               max_response_length=300, fill="released", schedule="rounds", tool_call_limit=1)
+    batch, engine, gen = rollout(cfg, policy, seed=4)
+    rs = rows(batch)
+    check_invariants(batch, gen.config, engine.tokenizer, 2)
+    assert {r["kind"] for r in rs} <= {"initial", "branch"}
+    if not calls:  # every root is one request, and each late one waits for the one before
+        assert Counter(r["kind"] for r in rs) == {"initial": 16}
+        assert batch.meta["metrics"]["rollout/rounds"] == 1 + (8 - 2)
+        fresh, _, _ = rollout({**cfg, "fill": "fresh"}, policy, seed=4)
+        assert fresh.meta["metrics"]["rollout/rounds"] == 1  # fresh fills start with the roots: no draw can fork
+    else:  # one call each: a root forks once, so the first roots make 4 and late roots fork like them
+        for g in range(2):
+            late = [i for i, r in enumerate(rs) if r["group"] == g and r["kind"] == "initial"][2:]
+            assert late and all(any(r["parent"] == i for r in rs) for i in late[:-1])
 
 
 def test_tool_failure_becomes_text():

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import time
 
-from arpo.rollout.tool_executor import ToolExecutor, truncate_middle
+import pytest
+
+from arpo.rollout.tool_executor import ToolExecutor, truncate_text
 from tests.rollout.fake_tools import BrokenSearch, FakePython, FakeSearch, FlakyTool, SlowTool
 
 
@@ -71,10 +73,13 @@ def test_calls_run_concurrently():
     assert elapsed < 0.2 * 8 / 2
 
 
-def test_truncate_middle():
-    assert truncate_middle("abc", None) == "abc" and truncate_middle("abc", 3) == "abc"
-    out = truncate_middle("a" * 10 + "b" * 10, 10)
-    assert out.startswith("aaaaa\n") and out.endswith("\nbbbbb") and "[10 characters truncated]" in out
+def test_truncate_text_keeps_the_side_asked_for():
+    assert truncate_text("abc", None) == "abc" and truncate_text("abc", 3) == "abc"
+    assert truncate_text("a" * 10 + "b" * 10, 10) == "aaaaa...(truncated)...bbbbb"
+    assert truncate_text("a" * 10 + "b" * 10, 10, "left") == "a" * 10 + "...(truncated)"
+    assert truncate_text("a" * 10 + "b" * 10, 10, "right") == "(truncated)..." + "b" * 10
+    with pytest.raises(ValueError, match="use one of"):
+        truncate_text("a" * 20, 10, "top")
     with ToolExecutor([FakeSearch()], max_result_chars=12) as ex:
         (res,) = ex.run_many([("search", "a b c d e f")])
-    assert "characters truncated" in res.text
+    assert "...(truncated)..." in res.text
