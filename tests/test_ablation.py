@@ -66,6 +66,8 @@ def test_seeds_and_overrides_are_separated_by_double_dash():
     ("entropy_weight", {"ew_0": ("arpo", "soft", 0.0, "code"), "ew_0.2": ("arpo", "soft", 0.2, "code"),
                         "ew_0.4": ("arpo", "soft", 0.4, "code")}),
     ("branching_rule", {"rule_code": ("arpo", "soft", 0.2, "code"), "rule_paper": ("arpo", "soft", 0.2, "paper")}),
+    ("policy", {"grpo": ("single", "soft", 0.2, "code"), "arpo": ("arpo", "soft", 0.2, "code"),
+                "aepo": ("arpo", "soft", 0.2, "code")}),
 ])
 def test_every_variant_composes_to_the_intended_config(suite, expect, tmp_path):
     s = ablation.SUITES[suite]
@@ -78,6 +80,7 @@ def test_every_variant_composes_to_the_intended_config(suite, expect, tmp_path):
         cfg = load_config("arpo_trainer", list(run.overrides))  # unknown keys would fail here
         r = cfg.actor_rollout_ref.rollout
         assert (r.mode, cfg.algorithm.advantage_mode, r.arpo.entropy_weight, r.arpo.rule) == expect[run.variant.name]
+        assert r.arpo.policy == ("aepo" if run.variant.name == "aepo" else "arpo")
         assert cfg.trainer.seed == run.seed
         assert Path(cfg.trainer.output_dir) == tmp_path / "runs" / suite / run.variant.name / f"seed{run.seed}"
         assert cfg.trainer.default_local_dir == f"{cfg.trainer.output_dir}/checkpoints"  # resumes from there

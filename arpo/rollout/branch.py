@@ -49,6 +49,8 @@ class Branch:
     seg_after_tool: bool = False
     phase: Phase = Phase.GENERATE
     branch_point: int = 0
+    #: consecutive decisions just before now, on this trajectory's path, that asked for a fork (AEPO's c)
+    streak: int = 0
     n_requests: int = 0
     finish_reason: str = ""
     #: a fill started before the group knows it needs it: not in the budget, dropped if not needed.

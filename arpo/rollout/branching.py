@@ -33,6 +33,21 @@ Two timings of ``H_now``, chosen by ``timing`` (applied by the rollout tree, :mo
 Each fork candidate (``beam_size − 1`` per branch point, the parent being the ``beam_size``-th continuation)
 is decided by one :func:`should_branch` call and granted a slot by the prompt's :class:`GroupBudget`, so a
 group never exceeds its budget M.
+
+Policies (``policy``):
+
+* ``arpo`` — the rules above.
+* ``aepo`` — AEPO's entropy-balanced adaptive rollout (arXiv 2510.14545; released code
+  ``AEPO/verl_aepo_entropy/.../vllm_rollout_with_tools.py``): the same ΔH, damped after consecutive forks so
+  that the budget does not pile up along one path ("high-entropy rollout collapse"). With ``c`` the number of
+  consecutive decisions just before this one, on this trajectory's path, that asked for a fork,
+  ``f = max(0, 1 − aepo_penalty·c)`` and a candidate forks iff ``clip((U + entropy_weight·ΔH)·f, 0, 1) ≥
+  branch_probability`` (rule ``code``, the released code's form: at c = 0 it forks with probability
+  ``1 − p + w·ΔH``, ARPO's ``p + w·ΔH`` at the default p = 0.5) or ``(α + β·ΔH)·f > τ`` (rule ``paper``). The
+  released code keeps ``c`` per prompt group and counts rounds in which the group gained a trajectory, which
+  depends on completion order; here it follows the path (the paper's wording), from draws only, so the batch
+  is the same under every schedule. AEPO's entropy pre-monitoring (splitting M between roots and branches
+  from a probe rollout) is off in both released scripts and not implemented: ``initial_rollouts`` sets N.
 """
 
 from __future__ import annotations
@@ -44,6 +59,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+POLICIES = ("arpo", "aepo")
 RULES = ("code", "paper")
 TIMINGS = ("code", "paper")
 REDUCTIONS = ("mean", "sum")
@@ -87,6 +103,10 @@ def window_entropy(
 class BranchingConfig:
     """Parameters of the entropy-based branching decision (see the module docstring for the rules)."""
 
+    #: "arpo" or "aepo" (ARPO's rule damped after consecutive forks on a path).
+    policy: str = "arpo"
+    #: aepo: f = max(0, 1 − aepo_penalty·c) after c consecutive forks (released code: 0.05).
+    aepo_penalty: float = 0.05
     #: "code" (released ARPO: clip(U − w·ΔH, 0, 1) ≤ branch_probability) or "paper" (α + β·ΔH > τ).
     rule: str = "code"
     #: "code" (ΔH of the segment before the tool result) or "paper" (ΔH of k tokens after the result).
@@ -112,6 +132,10 @@ class BranchingConfig:
         def bad(key: str, value, fix: str) -> ValueError:
             return ValueError(f"branching config: {key}={value!r} is invalid; {fix}")
 
+        if self.policy not in POLICIES:
+            raise bad("policy", self.policy, f"use one of {POLICIES}")
+        if not isinstance(self.aepo_penalty, (int, float)) or not 0 <= self.aepo_penalty < math.inf:
+            raise bad("aepo_penalty", self.aepo_penalty, "use a number >= 0 (AEPO's released code: 0.05)")
         if self.rule not in RULES:
             raise bad("rule", self.rule, f"use one of {RULES}")
         if self.timing not in TIMINGS:
@@ -162,7 +186,11 @@ def decision_rng(seed: int, group: int, key: tuple, depth: int) -> random.Random
     return random.Random(derive_seed(seed, "branch", group, key, depth))
 
 
-def _branches(cfg: BranchingConfig, delta_h: float, u: float) -> bool:
+def _branches(cfg: BranchingConfig, delta_h: float, u: float, damping: float = 1.0) -> bool:
+    if cfg.policy == "aepo":
+        if cfg.rule == "code":
+            return min(1.0, max(0.0, (u + cfg.entropy_weight * delta_h) * damping)) >= cfg.branch_probability
+        return (cfg.paper_alpha + cfg.paper_beta * delta_h) * damping > cfg.paper_tau
     if cfg.rule == "code":
         return min(1.0, max(0.0, u - cfg.entropy_weight * delta_h)) <= cfg.branch_probability
     if cfg.rule == "paper":
@@ -170,20 +198,28 @@ def _branches(cfg: BranchingConfig, delta_h: float, u: float) -> bool:
     raise ValueError(f"branching config: rule={cfg.rule!r} is invalid; use one of {RULES}")
 
 
-def should_branch(cfg: BranchingConfig, delta_h: float, rng: random.Random) -> bool:
-    """Decide one fork candidate from the entropy change ``delta_h`` (H_now − H_initial).
+def aepo_damping(cfg: BranchingConfig, streak: int) -> float:
+    """AEPO's factor after ``streak`` consecutive forks on the path (1 for ARPO)."""
+    return max(0.0, 1.0 - cfg.aepo_penalty * streak) if cfg.policy == "aepo" else 1.0
+
+
+def should_branch(cfg: BranchingConfig, delta_h: float, rng: random.Random, streak: int = 0) -> bool:
+    """Decide one fork candidate from the entropy change ``delta_h`` (H_now − H_initial) and, for AEPO, the
+    number of consecutive decisions before it on the path that asked for a fork.
 
     ``code`` draws one uniform number from ``rng`` per call; ``paper`` draws none (it is deterministic).
     """
-    return _branches(cfg, delta_h, rng.random() if cfg.rule == "code" else 0.0)
+    return _branches(cfg, delta_h, rng.random() if cfg.rule == "code" else 0.0, aepo_damping(cfg, streak))
 
 
 def could_branch(cfg: BranchingConfig, delta_lo: float, delta_hi: float, rng: random.Random) -> bool:
     """Whether :func:`should_branch`, from the same ``rng`` state, says yes for some ΔH in
-    ``[delta_lo, delta_hi]``. It draws exactly what :func:`should_branch` draws, so a rollout can replay a
-    future decision's draws before its ΔH is known. Both rules are monotone in ΔH, so the ends suffice."""
+    ``[delta_lo, delta_hi]`` and any path history. It draws exactly what :func:`should_branch` draws, so a
+    rollout can replay a future decision's draws before its ΔH is known. Every rule is monotone in ΔH and
+    linear in AEPO's damping factor f ∈ [0, 1], so the ends of both ranges suffice."""
     u = rng.random() if cfg.rule == "code" else 0.0
-    return _branches(cfg, delta_lo, u) or _branches(cfg, delta_hi, u)
+    dampings = (1.0, 0.0) if cfg.policy == "aepo" else (1.0,)
+    return any(_branches(cfg, dh, u, f) for dh in (delta_lo, delta_hi) for f in dampings)
 
 
 class GroupBudget:

@@ -21,6 +21,8 @@ class ARPORolloutConfig:
     """``actor_rollout_ref.rollout.arpo.*`` (every key is documented in ``configs/rollout/arpo.yaml``)."""
 
     mode: str = "arpo"
+    policy: str = "arpo"
+    aepo_penalty: float = 0.05
     schedule: str = "async"
     branch_grant: str = "ordered"
     n: int = 16
@@ -122,7 +124,7 @@ class ARPORolloutConfig:
     def branching(self) -> BranchingConfig:
         """The branching decision's parameters (validated)."""
         return BranchingConfig(
-            rule=self.rule, timing=self.timing, beam_size=self.beam_size,
+            policy=self.policy, aepo_penalty=self.aepo_penalty, rule=self.rule, timing=self.timing, beam_size=self.beam_size,
             branch_probability=self.branch_probability, entropy_weight=self.entropy_weight,
             paper_alpha=self.paper_alpha, paper_beta=self.paper_beta, paper_tau=self.paper_tau,
             window=self.entropy_window, topk_logprobs=self.topk_logprobs,

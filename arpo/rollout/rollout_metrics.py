@@ -61,6 +61,7 @@ def summarize(m: RolloutMetrics, branches: list[Branch], slots: list[GroupSlots]
         "rollout/trajectories": float(len(kept)),
         "rollout/branches": float(c["branches"]),
         "rollout/branch_points": float(c["branch_points"]),
+        "rollout/branch_points_damped": float(c["branch_points_damped"]),
         "rollout/branch_decisions_waited": float(sum(s.waited for s in slots)),
         "rollout/fill_fresh": float(c["fill_fresh"]),
         "rollout/fill_duplicate": float(c["fill_duplicate"]),

@@ -20,7 +20,7 @@ from arpo.engine.base import GenerationOutput
 from arpo.protocol import TOOL_TAGS, ToolCall, format_tool_result, parse_trailing_tool_call
 from arpo.rollout.branch import Branch, Phase
 from arpo.rollout.branch_slots import CallRates, ForkLookahead, GroupSlots, canonical
-from arpo.rollout.branching import GroupBudget, should_branch, token_entropy
+from arpo.rollout.branching import GroupBudget, aepo_damping, should_branch, token_entropy
 from arpo.rollout.config import ARPORolloutConfig
 from arpo.rollout.rollout_metrics import RolloutMetrics
 
@@ -271,16 +271,18 @@ class RolloutTree:
         record["delta_entropy"] = delta_h
         self.m.values["delta_entropy"].append(delta_h)
         self.m.count["branch_points"] += 1
-        wants = sum(should_branch(self.bcfg, delta_h, rng) for _ in range(self.bcfg.beam_size - 1))
+        self.m.count["branch_points_damped"] += int(aepo_damping(self.bcfg, b.streak) < 1.0)
+        wants = sum(should_branch(self.bcfg, delta_h, rng, b.streak) for _ in range(self.bcfg.beam_size - 1))
+        b.streak = b.streak + 1 if wants else 0  # from the draws, not the grants: the same under any schedule
         if wants == 0 or self.budgets[b.group].remaining == 0:
             return
         # the records as they are now: the parent updates its last one later (entropy after the tool)
         records = copy.deepcopy([c for c in b.tool_calls if c["end"] <= pos])
-        depth = b.n_calls
+        depth, streak = b.n_calls, b.streak
 
         def grant(granted: int) -> None:
             for _ in range(granted):
-                self._fork(b, pos, depth, records=records)
+                self._fork(b, pos, depth, records=records).streak = streak
             self.m.count["branches"] += granted
 
         self.slots[b.group].offer(b, depth, wants, grant)

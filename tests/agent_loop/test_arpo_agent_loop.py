@@ -80,6 +80,7 @@ CASES = {
                                        "schedule": "rounds"},
     "duplicate fills": {"fill": "duplicate", "speculative_fill_probability": None},
     "plain sampling": {"mode": "single"},
+    "aepo, released fill": {"policy": "aepo", "aepo_penalty": 0.5, "fill": "released"},
 }
 
 

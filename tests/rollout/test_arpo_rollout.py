@@ -169,6 +169,8 @@ def random_case(seed: int):
     case = cfg, policy, tools, r.random() < 0.3, r.randint(1, 3)
     if cfg["fill"] == "fresh":  # drawn last, so the cases drawn before it stay as they were
         cfg["speculative_fill_probability"] = r.choice([None, None, 0.05, 0.5, 0.95])
+    if r.random() < 0.3:  # drawn after everything else, for the same reason
+        cfg.update(policy="aepo", aepo_penalty=r.choice([0.05, 0.5, 1.0]))
     return case
 
 
@@ -478,6 +480,23 @@ def test_released_fill_adds_one_root_at_a_time_that_may_branch(branch_probabilit
         for g in range(2):
             late = [i for i, r in enumerate(rs) if r["group"] == g and r["kind"] == "initial"][2:]
             assert late and all(any(r["parent"] == i for r in rs) for i in late[:-1])
+
+
+@pytest.mark.parametrize("policy", ["arpo", "aepo"])
+def test_aepo_damps_forks_at_consecutive_depths_of_a_path(policy):
+    # every candidate wants a fork unless damped (p ~ 0, w 0); AEPO with penalty 1 silences the decision right
+    # after a fork on the same path (f = 0), so a path forks at depths 1 and 3, never 2; ARPO forks at all
+    policy_ = ScriptPolicy(call_prob=1.0, call_decay=0.0, tools=("search",))
+    cfg = dict(n=40, initial_rollouts=2, beam_size=2, branch_probability=1e-9 if policy == "aepo" else 1.0,
+               entropy_weight=0.0, tool_call_limit=3, max_response_length=600, policy=policy, aepo_penalty=1.0,
+               speculative_fill_probability=None)
+    batch, engine, gen = rollout(cfg, policy_, n_prompts=1, seed=3)
+    check_invariants(batch, gen.config, engine.tokenizer, 1)
+    rs = rows(batch)
+    depths = {sum(c["end"] <= r["bpos"] for c in r["calls"]) for r in rs if r["kind"] == "branch"}
+    assert depths == ({1, 3} if policy == "aepo" else {1, 2, 3})
+    damped = batch.meta["metrics"]["rollout/branch_points_damped"]
+    assert (damped > 0) == (policy == "aepo")
 
 
 def test_tool_failure_becomes_text():

@@ -150,11 +150,44 @@ def test_could_branch_replays_the_draws_and_covers_every_reachable_delta(rule):
         assert could_branch(cfg, -0.1, 0.0, FixedRng(0.4))
 
 
+def test_aepo_rule_is_the_released_form_damped_after_consecutive_forks():
+    cfg = BranchingConfig(policy="aepo")  # p 0.5, w 0.2, penalty 0.05: fork iff clip((U + w·ΔH)·f) >= p
+    assert should_branch(cfg, 0.0, FixedRng(0.5)) and not should_branch(cfg, 0.0, FixedRng(0.49))
+    assert should_branch(cfg, 0.5, FixedRng(0.41))  # 0.41 + 0.1 >= 0.5: ΔH > 0 raises the chance
+    assert should_branch(cfg, 0.0, FixedRng(0.6)) and not should_branch(cfg, 0.0, FixedRng(0.6), streak=4)  # 0.48
+    assert not should_branch(cfg, 1.0, FixedRng(0.99), streak=20)  # f = 0
+    assert should_branch(BranchingConfig(), 0.0, FixedRng(0.4), streak=20)  # ARPO ignores the streak
+    rng = random.Random(0)  # rates: clip(1 - p/f + w·ΔH): 0.5, 0.375, 0
+    for streak, rate in ((0, 0.5), (4, 0.375), (10, 0.0)):
+        assert sum(should_branch(cfg, 0.0, rng, streak) for _ in range(20000)) / 20000 == pytest.approx(rate, abs=0.015)
+    paper = BranchingConfig(policy="aepo", rule="paper", paper_alpha=0.6, paper_beta=0.0, paper_tau=0.5)
+    assert should_branch(paper, 0.0, FixedRng(0.0)) and not should_branch(paper, 0.0, FixedRng(0.0), streak=4)
+
+
+@pytest.mark.parametrize("rule", ["code", "paper"])
+def test_aepo_look_ahead_covers_every_path_history(rule):
+    # the look-ahead does not know a future decision's streak: it must say yes whenever some streak could fork
+    rng = random.Random(2)
+    for _ in range(2000):
+        cfg = BranchingConfig(policy="aepo", rule=rule, aepo_penalty=rng.choice([0.05, 0.3, 1.0]),
+                              branch_probability=rng.random(), entropy_weight=rng.uniform(-1, 1),
+                              paper_alpha=rng.uniform(-1, 1), paper_beta=rng.uniform(-1, 1),
+                              paper_tau=rng.uniform(-0.5, 1))
+        lo = rng.uniform(-1, 1)
+        hi = lo + rng.uniform(0, 1)
+        seed = rng.randrange(10**9)
+        possible = could_branch(cfg, lo, hi, random.Random(seed))
+        verdicts = [should_branch(cfg, d, random.Random(seed), streak)
+                    for d in [lo, hi] + [rng.uniform(lo, hi) for _ in range(3)] for streak in (0, 1, 2, 5, 40)]
+        assert possible or not any(verdicts)
+
+
 @pytest.mark.parametrize("key,value,msg", [
     ("rule", "papr", "rule"), ("timing", "x", "timing"), ("beam_size", 0, "beam_size"),
     ("branch_probability", 1.5, "branch_probability"), ("entropy_weight", math.nan, "entropy_weight"),
     ("window", 0, "window"), ("topk_logprobs", 0, "topk_logprobs"), ("entropy_reduction", "avg", "reduction"),
-    ("initial_entropy_scope", "global", "initial_entropy_scope"),
+    ("initial_entropy_scope", "global", "initial_entropy_scope"), ("policy", "tree", "policy"),
+    ("aepo_penalty", -0.1, "aepo_penalty"),
 ])
 def test_branching_config_validate_names_the_key(key, value, msg):
     cfg = BranchingConfig(**{key: value})
