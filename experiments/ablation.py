@@ -15,8 +15,8 @@ Suites (every variant: same data, steps, seeds and budget M = ``actor_rollout_re
 - ``entropy_weight``: ARPO (rule ``code``) with ``actor_rollout_ref.rollout.arpo.entropy_weight`` 0 (the
   baseline: forks ignore entropy), 0.2 (the default), 0.4;
 - ``branching_rule``: ARPO with ``actor_rollout_ref.rollout.arpo.rule`` ``code`` (the baseline) vs ``paper``.
-- ``policy``: the branching policy at the same budget: GRPO sampling (the baseline), ARPO, AEPO
-  (``actor_rollout_ref.rollout.arpo.policy``).
+- ``policy``: the rollout policy at the same budget: GRPO sampling (the baseline), ARPO, AEPO and Tree-GRPO
+  (``actor_rollout_ref.rollout.arpo.policy``; Tree-GRPO with its own advantage, ``adv_estimator=tree_grpo``).
 
 Each run is ``python -m arpo.main_arpo <variant keys> actor_rollout_ref.model.path=<model-dir>
 synthetic.out_dir=<data-dir> trainer.seed=K trainer.output_dir=<runs-dir>/<suite>/<variant>/seed<K> [--smoke
@@ -114,10 +114,12 @@ SUITES = {s.name: s for s in (
         Variant("rule_code", (ARPO, f"{ROLLOUT_KEY}.rule=code")),
         Variant("rule_paper", (ARPO, f"{ROLLOUT_KEY}.rule=paper")),
     ), baseline="rule_code"),
-    Suite("policy", "Branching policy at the same budget: GRPO sampling, ARPO, AEPO (damped consecutive forks)", (
+    Suite("policy", "Rollout policy at the same budget: GRPO sampling, ARPO, AEPO (damped consecutive forks), "
+                    "Tree-GRPO (tree search, intra + inter-tree advantage)", (
         Variant("grpo", ("actor_rollout_ref.rollout.mode=single", "algorithm.advantage_mode=soft")),
         Variant("arpo", (ARPO, f"{ROLLOUT_KEY}.policy=arpo")),
         Variant("aepo", (ARPO, f"{ROLLOUT_KEY}.policy=aepo")),
+        Variant("tree_grpo", (ARPO, f"{ROLLOUT_KEY}.policy=tree_grpo", "algorithm.adv_estimator=tree_grpo")),
     ), baseline="grpo"),
 )}
 

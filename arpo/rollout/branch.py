@@ -39,6 +39,8 @@ class Branch:
     response_mask: list[int] = field(default_factory=list)
     token_entropy: list[float] = field(default_factory=list)
     parent: int = -1  # tid of the parent
+    #: the tree it belongs to within its group: its root's number (Tree-GRPO's intra-tree groups)
+    tree: int = 0
     branch_pos: int = 0
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     n_calls: int = 0

@@ -59,7 +59,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-POLICIES = ("arpo", "aepo")
+POLICIES = ("arpo", "aepo", "tree_grpo")
 RULES = ("code", "paper")
 TIMINGS = ("code", "paper")
 REDUCTIONS = ("mean", "sum")

@@ -23,6 +23,7 @@ class ARPORolloutConfig:
     mode: str = "arpo"
     policy: str = "arpo"
     aepo_penalty: float = 0.05
+    tree_expansions: int = 2
     schedule: str = "async"
     branch_grant: str = "ordered"
     n: int = 16
@@ -95,6 +96,11 @@ class ARPORolloutConfig:
              f"{p}.initial_rollouts ({self.initial_rollouts}) > {p}.n ({self.n}): the initial rollouts N cannot "
              f"exceed the budget M; lower initial_rollouts or raise n (ARPO uses N = M/2)")
         need(self.fill in FILLS, f"{p}.fill={self.fill!r}: use one of {FILLS}")
+        need(isinstance(self.tree_expansions, int) and self.tree_expansions >= 1,
+             f"{p}.tree_expansions={self.tree_expansions!r}: must be an integer >= 1 (Tree-GRPO's N; its scripts: 2)")
+        need(self.mode == "single" or self.policy != "tree_grpo" or self.n % self.initial_rollouts == 0,
+             f"{p}.n ({self.n}) is not a multiple of {p}.initial_rollouts ({self.initial_rollouts}): policy "
+             f"tree_grpo grows initial_rollouts trees of n / initial_rollouts trajectories each")
         need(isinstance(self.speculative_fill, int) and self.speculative_fill >= 0,
              f"{p}.speculative_fill={self.speculative_fill!r}: must be an integer >= 0 (0: off)")
         need(self.speculative_fill == 0 or self.fill == "fresh",
@@ -137,4 +143,9 @@ class ARPORolloutConfig:
 
     @property
     def branching_enabled(self) -> bool:
-        return self.mode == "arpo" and self.beam_size > 1
+        """Entropy-driven forks after tool results (ARPO, AEPO); Tree-GRPO expands its trees instead."""
+        return self.mode == "arpo" and self.beam_size > 1 and self.policy != "tree_grpo"
+
+    @property
+    def tree_search(self) -> bool:
+        return self.mode == "arpo" and self.policy == "tree_grpo"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import random
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -20,7 +21,7 @@ from arpo.engine.base import GenerationOutput
 from arpo.protocol import TOOL_TAGS, ToolCall, format_tool_result, parse_trailing_tool_call
 from arpo.rollout.branch import Branch, Phase
 from arpo.rollout.branch_slots import CallRates, ForkLookahead, GroupSlots, canonical
-from arpo.rollout.branching import GroupBudget, aepo_damping, should_branch, token_entropy
+from arpo.rollout.branching import GroupBudget, aepo_damping, derive_seed, should_branch, token_entropy
 from arpo.rollout.config import ARPORolloutConfig
 from arpo.rollout.rollout_metrics import RolloutMetrics
 
@@ -39,7 +40,7 @@ class RolloutTree:
     def __init__(self, cfg: ARPORolloutConfig, tok: Any, prompts: list[list[int]], seed: int,
                  tool_names: list[str], call_rate_prior: dict[int, float], metrics: RolloutMetrics,
                  cut_at_stop: Callable[..., tuple], group_ids: list[int]):
-        self.cfg, self.bcfg, self.tok, self.prompts = cfg, cfg.branching(), tok, prompts
+        self.cfg, self.bcfg, self.tok, self.prompts, self.seed = cfg, cfg.branching(), tok, prompts, seed
         #: each group's identity in the seeds of its decisions (its row in the batch), so a group rolled out
         #: alone (one agent loop) draws exactly what it draws in the batch rollout
         self.group_ids = group_ids
@@ -66,7 +67,7 @@ class RolloutTree:
         for g in range(len(self.prompts)):
             for _ in range(self.budgets[g].reserve(self.cfg.num_initial)):
                 self._new_root(g, "initial")
-            if self.cfg.mode == "arpo" and self.cfg.fill == "fresh":
+            if self.cfg.mode == "arpo" and self.cfg.fill == "fresh" and not self.cfg.tree_search:
                 for _ in range(min(self.cfg.speculative_fill, self.budgets[g].remaining)):
                     self._new_root(g, "fill").speculative = True
         self.fill(range(len(self.prompts)))
@@ -78,8 +79,17 @@ class RolloutTree:
         self.by_group[group].append(b)
         return b
 
-    def _new_root(self, group: int, kind: str) -> Branch:
-        b = self._new(group, kind, (kind, sum(1 for x in self.by_group[group] if x.kind == kind)))
+    def _new_root(self, group: int, kind: str, tree_root: Branch | None = None) -> Branch:
+        """A root from the prompt: a new tree, or (Tree-GRPO picking the root of ``tree_root``'s tree) one
+        more chain in that tree, keyed under its first root so that the key does not depend on which tree
+        expanded first."""
+        if tree_root is None:
+            tree = len({x.tree for x in self.by_group[group]})
+            key = (kind, sum(1 for x in self.by_group[group] if x.kind == kind))
+        else:
+            tree = tree_root.tree
+            key = GroupSlots.fork_key(tree_root.key, 0, (x.key for x in self.by_group[group]))
+        b = self._new(group, kind, key, tree=tree)
         if self.bcfg.initial_entropy_scope == "group":
             b.h_initial = self.group_h0[group]
         return b
@@ -96,7 +106,7 @@ class RolloutTree:
         return self._new(
             parent.group, kind, key,
             response_ids=parent.response_ids[:pos], response_mask=parent.response_mask[:pos],
-            token_entropy=parent.token_entropy[:pos], parent=parent.tid, branch_pos=pos,
+            token_entropy=parent.token_entropy[:pos], parent=parent.tid, branch_pos=pos, tree=parent.tree,
             tool_calls=copy.deepcopy(records), n_calls=len(records),
             h_initial=parent.h_initial, own_h0=parent.own_h0, seg_start=pos,
             seg_after_tool=bool(records) and records[-1]["end"] == pos,
@@ -319,7 +329,9 @@ class RolloutTree:
             if budget.remaining == 0 and not any(b.speculative for b in group):
                 continue
             idle = not any(b.phase is not Phase.DONE and not b.speculative for b in group) and not self.slots[g].pending
-            if self.cfg.fill == "fresh":
+            if self.cfg.tree_search:
+                self._expand_trees(g)
+            elif self.cfg.fill == "fresh":
                 self._fill_fresh(g)
             elif self.cfg.fill == "released":
                 if idle:  # one late root at a time, which branches like the first ones
@@ -354,6 +366,34 @@ class RolloutTree:
             self._new_root(g, "fill").speculative = True
         self.m.count["fill_predicted"] += plan.predict
 
+    def _expand_trees(self, g: int) -> None:
+        """Tree-GRPO (arXiv 2509.21240; released code AMAP-ML/Tree-GRPO, ``tree_node.get_expand_node``): once
+        every chain of a tree has finished, pick ``tree_expansions`` nodes of it uniformly with replacement
+        from {its root} ∪ {the end of every tool result some chain continued after}, and continue each: a
+        picked root is one more chain from the prompt, a picked node a fork that copies the chain up to there.
+        Iterations go on until the tree holds n / initial_rollouts chains. Picks draw from a generator seeded
+        by the tree and its size, so they do not depend on completion order."""
+        quota = self.cfg.n // self.cfg.num_initial
+        members = [b for b in self.by_group[g] if not b.discarded]
+        for tree in sorted({b.tree for b in members}):
+            chains = sorted((b for b in members if b.tree == tree), key=lambda b: canonical(b.key))
+            if len(chains) >= quota or any(b.phase is not Phase.DONE for b in chains):
+                continue
+            nodes: list[tuple[Branch, int] | None] = [None]  # None: the root
+            for b in chains:
+                nodes += [(b, d + 1) for d, c in enumerate(b.tool_calls)
+                          if c["end"] > b.branch_pos and c["end"] < len(b.response_ids)]
+            rng = random.Random(derive_seed(self.seed, self.group_ids[g], "tree", tree, len(chains)))
+            picks = rng.choices(nodes, k=min(self.cfg.tree_expansions, quota - len(chains)))
+            self.budgets[g].reserve(len(picks))
+            for pick in picks:
+                if pick is None:
+                    self._new_root(g, "initial", tree_root=chains[0])
+                else:
+                    parent, depth = pick
+                    self._fork(parent, parent.tool_calls[depth - 1]["end"], depth)
+                    self.m.count["branches"] += 1
+
     # ---- output -------------------------------------------------------------------------------------
     def trajectories(self) -> list[Trajectory]:
         """The kept branches as trajectories, in tree order by identity (initial roots, then fills, each
@@ -367,6 +407,6 @@ class RolloutTree:
             response_mask=b.response_mask, parent=index[b.parent] if b.parent >= 0 else -1,
             branch_pos=b.branch_pos, token_entropy=b.token_entropy if self.cfg.return_entropy else None,
             tool_calls=b.tool_calls, finish_reason=b.finish_reason,
-            extra={"num_tool_calls": b.n_calls, "rollout_kind": b.kind,
+            extra={"num_tool_calls": b.n_calls, "rollout_kind": b.kind, "tree_index": b.tree,
                    "initial_entropy": math.nan if b.h_initial is None else b.h_initial},
         ) for b in ordered]

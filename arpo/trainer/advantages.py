@@ -134,6 +134,32 @@ def compute_grpo_outcome_advantage(
     return adv, adv
 
 
+@register_adv_est("tree_grpo")
+def compute_tree_grpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    tree_index: Any = None,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tree-GRPO's advantage (arXiv 2509.21240; released code AMAP-ML/Tree-GRPO, ``adv_estimator=tree``):
+    the GRPO advantage within the prompt's group (inter-tree) plus the GRPO advantage within the row's tree
+    (intra-tree), unweighted. ``tree_index`` labels each row's tree within its group (the rollout's
+    ``tree_index`` column, ``actor_rollout_ref.rollout.arpo.policy=tree_grpo``)."""
+    if tree_index is None or any(t is None for t in tree_index):
+        raise ValueError("algorithm.adv_estimator=tree_grpo needs every row's tree (the tree_index column); "
+                         "roll out with actor_rollout_ref.rollout.arpo.policy=tree_grpo")
+    kw = dict(token_level_rewards=token_level_rewards, response_mask=response_mask, epsilon=epsilon,
+              norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
+    inter, _ = compute_grpo_outcome_advantage(index=index, **kw)
+    trees = np.asarray([f"{u}\x1f{t}" for u, t in zip(np.asarray(index).tolist(), list(tree_index))], dtype=object)
+    intra, _ = compute_grpo_outcome_advantage(index=trees, **kw)
+    adv = inter + intra
+    return adv, adv
+
+
 @register_adv_est("grpo_vectorized")
 def compute_grpo_vectorized_outcome_advantage(
     token_level_rewards: torch.Tensor,

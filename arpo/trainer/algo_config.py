@@ -11,7 +11,8 @@ from arpo.trainer.logprobs import DEFAULT_CHUNK_SIZE
 
 #: Estimators that give one advantage per trajectory, the only ones hard mode is defined for
 #: (reinforce_plus_plus_baseline whitens a per-trajectory score: still one value per row).
-OUTCOME_ESTIMATORS = ("grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "reinforce_plus_plus_baseline")
+OUTCOME_ESTIMATORS = ("grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "reinforce_plus_plus_baseline",
+                      "tree_grpo")
 
 
 def _get(cfg: Any, dotted: str, default: Any = None) -> Any:
@@ -41,6 +42,10 @@ def validate_algorithm_config(cfg: Any) -> None:
     if mode == "hard" and estimator not in OUTCOME_ESTIMATORS:
         raise ValueError(f"algorithm.advantage_mode=hard needs an outcome estimator "
                          f"({', '.join(OUTCOME_ESTIMATORS)}), not algorithm.adv_estimator={estimator!r}")
+    if estimator == "tree_grpo" and (_get(cfg, "actor_rollout_ref.rollout.mode", "arpo") == "single"
+                                     or _get(cfg, "actor_rollout_ref.rollout.arpo.policy", "arpo") != "tree_grpo"):
+        raise ValueError("algorithm.adv_estimator=tree_grpo needs Tree-GRPO's trees: set "
+                         "actor_rollout_ref.rollout.arpo.policy=tree_grpo (and rollout.mode arpo or agent_loop)")
     _choice(cfg, "algorithm.kl_penalty", KL_PENALTY_TYPES, "kl")
     ctrl = _choice(cfg, "algorithm.kl_ctrl.type", KL_CTRL_TYPES, "fixed")
     if ctrl == "adaptive":

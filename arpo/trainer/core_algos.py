@@ -32,6 +32,7 @@ from arpo.trainer.advantages import (  # noqa: F401  (verl's core_algos namespac
     compute_reinforce_plus_plus_outcome_advantage,
     compute_rloo_outcome_advantage,
     compute_rloo_vectorized_outcome_advantage,
+    compute_tree_grpo_outcome_advantage,
     get_adv_estimator_fn,
     register_adv_est,
 )

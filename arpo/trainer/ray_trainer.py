@@ -37,6 +37,7 @@ def compute_advantage(batch: DataBatch, cfg: DictConfig) -> DataBatch:
     index = np.asarray(batch.non_tensors["uid"])
     adv, ret = fn(token_level_rewards=batch.tensors["token_level_rewards"],
                   response_mask=batch.tensors["response_mask"], index=index,
+                  tree_index=batch.non_tensors.get("tree_index"),
                   norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, gamma=algo.gamma)
     adv = apply_advantage_mode(adv, batch.tensors["response_mask"], index,
                                np.asarray(batch.non_tensors["parent_index"]),

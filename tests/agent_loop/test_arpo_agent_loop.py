@@ -81,6 +81,7 @@ CASES = {
     "duplicate fills": {"fill": "duplicate", "speculative_fill_probability": None},
     "plain sampling": {"mode": "single"},
     "aepo, released fill": {"policy": "aepo", "aepo_penalty": 0.5, "fill": "released"},
+    "tree_grpo": {"policy": "tree_grpo", "initial_rollouts": 2, "tree_expansions": 2},
 }
 
 

@@ -499,6 +499,28 @@ def test_aepo_damps_forks_at_consecutive_depths_of_a_path(policy):
     assert (damped > 0) == (policy == "aepo")
 
 
+def test_tree_grpo_grows_equal_trees_from_nodes_at_tool_results():
+    # n 12 from 2 trees: each tree is expanded 2 nodes at a time until it holds 6 chains; no entropy decisions
+    cfg = dict(n=12, initial_rollouts=2, policy="tree_grpo", tree_expansions=2, tool_call_limit=3,
+               max_response_length=400, return_entropy=True)
+    batches = {s: rollout({**cfg, "schedule": s}, ScriptPolicy(call_prob=0.8), n_prompts=2, seed=1)
+               for s in ("async", "rounds")}
+    batch, engine, gen = batches["async"]
+    check_invariants(batch, gen.config, engine.tokenizer, 2)
+    rs, trees = rows(batch), list(batch["tree_index"])
+    assert Counter((r["group"], t) for r, t in zip(rs, trees)) == {(g, t): 6 for g in range(2) for t in range(2)}
+    for r, t in zip(rs, trees):
+        if r["parent"] >= 0:  # a node's continuation stays in its tree and starts right after a tool result
+            assert trees[r["parent"]] == t and r["bpos"] in {c["end"] for c in rs[r["parent"]]["calls"]}
+    assert {r["kind"] for r in rs} == {"initial", "branch"}  # picked roots are more chains; picked nodes forks
+    assert batch.meta["metrics"]["rollout/branch_points"] == 0
+    # the picks depend on the trees, not on completion order
+    assert [(r["ids"], r["parent"], r["bpos"]) for r in rows(batches["rounds"][0])] == \
+        [(r["ids"], r["parent"], r["bpos"]) for r in rs]
+    with pytest.raises(ValueError, match="not a multiple"):
+        ARPORolloutConfig.from_dict({**cfg, "n": 7})
+
+
 def test_tool_failure_becomes_text():
     policy = ScriptPolicy(call_prob=1.0, call_decay=0.0, tools=("search",))
     batch, engine, gen = rollout({**BASE, "tool_call_limit": 1, "tool_retries": 1}, policy,

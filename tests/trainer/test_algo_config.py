@@ -28,7 +28,9 @@ def test_shipped_config_is_valid():
 @pytest.mark.parametrize("key, value, message", [
     ("algorithm.adv_estimator", "gae", "algorithm.adv_estimator='gae' is not valid; choose one of: grpo, "
                                        "grpo_vectorized, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo, "
-                                       "rloo_vectorized"),
+                                       "rloo_vectorized, tree_grpo"),
+    ("algorithm.adv_estimator", "tree_grpo", "algorithm.adv_estimator=tree_grpo needs Tree-GRPO's trees: set "
+                                             "actor_rollout_ref.rollout.arpo.policy=tree_grpo"),
     ("algorithm.advantage_mode", "medium", "algorithm.advantage_mode='medium' is not valid; choose one of: soft, hard"),
     ("actor_rollout_ref.actor.loss_agg_mode", "mean", "actor_rollout_ref.actor.loss_agg_mode='mean' is not valid"),
     ("actor_rollout_ref.actor.kl_loss_type", "full", "actor_rollout_ref.actor.kl_loss_type='full' is not valid"),
@@ -62,6 +64,15 @@ def test_verl_091_values_are_accepted(key, value):
     validate_algorithm_config(_cfg(**{key.replace(".", "__"): value}))
     if key == "algorithm.adv_estimator":  # one advantage per trajectory: hard mode is defined for them
         validate_algorithm_config(_cfg(algorithm__adv_estimator=value, algorithm__advantage_mode="hard"))
+
+
+def test_tree_grpo_estimator_is_accepted_with_tree_grpo_rollouts():
+    cfg = _cfg(algorithm__adv_estimator="tree_grpo", algorithm__advantage_mode="hard")
+    OmegaConf.update(cfg, "actor_rollout_ref.rollout.arpo.policy", "tree_grpo", force_add=True)
+    validate_algorithm_config(cfg)
+    OmegaConf.update(cfg, "actor_rollout_ref.rollout.mode", "single", force_add=True)
+    with pytest.raises(ValueError, match="needs Tree-GRPO's trees"):
+        validate_algorithm_config(cfg)
 
 
 def test_hard_mode_needs_outcome_estimator_and_adaptive_needs_target():

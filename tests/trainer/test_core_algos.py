@@ -65,6 +65,20 @@ def test_grpo_epsilon_and_equal_scores():
     close(adv[:, 0], [-1 / (math.sqrt(2) + 0.1), 1 / (math.sqrt(2) + 0.1)])
 
 
+def test_tree_grpo_adds_intra_tree_to_inter_tree_grpo():
+    # one prompt, two trees: scores 1, 0, 1 (tree 0) and 0, 0, 1 (tree 1)
+    rewards = torch.tensor([[1.0], [0.0], [1.0], [0.0], [0.0], [1.0]])
+    index, trees = np.array(["p"] * 6, dtype=object), [0, 0, 0, 1, 1, 1]
+    adv, ret = ca.compute_tree_grpo_outcome_advantage(rewards, torch.ones(6, 1), index, tree_index=trees)
+    # inter: mean 1/2, unbiased std sqrt(6·0.25/5) = 0.5477226 → ±0.5/(0.5477226 + 1e-6) = ±0.9128692
+    # intra: each tree's mean is 2/3 or 1/3 with std 0.5773503 → +0.5773493 / −1.1546986 (as in GRPO above)
+    inter, hi, lo = 0.9128692, 0.5773493, -1.1546986
+    close(adv[:, 0], [inter + hi, -inter + lo, inter + hi, -inter - hi, -inter - hi, inter - lo])
+    assert torch.equal(adv, ret)
+    with pytest.raises(ValueError, match="policy=tree_grpo"):
+        ca.compute_tree_grpo_outcome_advantage(rewards, torch.ones(6, 1), index)
+
+
 def test_grpo_vectorized_equals_loop_form():
     rewards, mask, index = _rewards_and_mask()
     for norm in (True, False):
@@ -163,14 +177,17 @@ def test_estimator_registry():
     assert ca.get_adv_estimator_fn("rloo_vectorized") is ca.compute_rloo_vectorized_outcome_advantage
     assert (ca.get_adv_estimator_fn("reinforce_plus_plus_baseline")
             is ca.compute_reinforce_plus_plus_baseline_outcome_advantage)
+    assert ca.get_adv_estimator_fn("tree_grpo") is ca.compute_tree_grpo_outcome_advantage
     with pytest.raises(ValueError, match=r"unknown algorithm.adv_estimator 'gae'; valid: grpo, grpo_vectorized, "
-                                         r"reinforce_plus_plus, reinforce_plus_plus_baseline, rloo, rloo_vectorized"):
+                                         r"reinforce_plus_plus, reinforce_plus_plus_baseline, rloo, "
+                                         r"rloo_vectorized, tree_grpo"):
         ca.get_adv_estimator_fn("gae")
     # Every estimator accepts the same keyword set.
     rewards, mask, index = _rewards_and_mask()
-    for name in ca.ADV_ESTIMATOR_REGISTRY:
+    for name in ca.ADV_ESTIMATOR_REGISTRY:  # (tree_grpo also needs the rows' trees, and says so without them)
         adv, _ = ca.get_adv_estimator_fn(name)(token_level_rewards=rewards, response_mask=mask, index=index,
-                                               epsilon=1e-6, norm_adv_by_std_in_grpo=True, gamma=1.0)
+                                               epsilon=1e-6, norm_adv_by_std_in_grpo=True, gamma=1.0,
+                                               tree_index=[0, 0, 1, 0])
         assert adv.shape == rewards.shape
 
 
