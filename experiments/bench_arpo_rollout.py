@@ -161,6 +161,10 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         "arpo_first_come": ARPORolloutConfig(**dict(arpo, branch_grant="first_come")),
         # the round-synchronous loop (released code's; exact replay): what the per-trajectory tasks save
         "arpo_rounds": ARPORolloutConfig(**dict(arpo, schedule="rounds")),
+        # the successors at the same budget: AEPO (ARPO damped after consecutive forks on a path) and
+        # Tree-GRPO (initial trees grown from nodes at tool results; n must be a multiple of initial)
+        "aepo": ARPORolloutConfig(**dict(arpo, policy="aepo")),
+        "tree_grpo": ARPORolloutConfig(**dict(arpo, policy="tree_grpo")),
         "single": ARPORolloutConfig(mode="single", **common),
         "single_rounds": ARPORolloutConfig(mode="single", **rounds),
         # the same sampling with top-k logprobs on every token: what entropy measurement alone costs
