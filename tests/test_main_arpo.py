@@ -97,8 +97,8 @@ def test_sigkill_mid_training_resumes_from_the_last_checkpoint(sft_model_dir, tm
     out = tmp_path / "resume"
     data = sft_model_dir.parents[1] / "data" / "synthetic"
     args = _cmd(f"actor_rollout_ref.model.path={sft_model_dir}", f"synthetic.out_dir={data}",
-                f"trainer.output_dir={out}", "trainer.logger=[console,jsonl]", "trainer.total_training_steps=4",
-                "trainer.save_freq=1", "trainer.test_freq=4", "trainer.val_before_train=false",
+                f"trainer.output_dir={out}", "trainer.logger=[console,jsonl]", "trainer.total_training_steps=3",
+                "trainer.save_freq=1", "trainer.test_freq=3", "trainer.val_before_train=false",
                 "trainer.validation.max_samples=8", "algorithm.advantage_mode=soft")
     proc = subprocess.Popen(args, cwd=REPO_ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -113,28 +113,28 @@ def test_sigkill_mid_training_resumes_from_the_last_checkpoint(sft_model_dir, tm
     subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True)
     killed_at = max(int(p.name.split("_")[-1]) for p in (out / "checkpoints").glob("global_step_[0-9]*")
                     if not p.name.endswith(".tmp"))
-    assert killed_at < 4
+    assert killed_at < 3
     data = torch.load(out / "checkpoints" / f"global_step_{killed_at}" / "data.pt", weights_only=False)
     assert data["batch_index"] == killed_at  # one batch of prompts per step so far
 
     r = subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env=_env())
     assert r.returncode == 0, r.stderr[-4000:]
     assert f"global step {killed_at})" in r.stderr + r.stdout
-    final = torch.load(out / "checkpoints" / "global_step_4" / "trainer_state.pt", weights_only=False)
-    assert final["global_step"] == 4
-    assert torch.load(out / "checkpoints" / "global_step_4" / "data.pt", weights_only=False)["batch_index"] == 4
+    final = torch.load(out / "checkpoints" / "global_step_3" / "trainer_state.pt", weights_only=False)
+    assert final["global_step"] == 3
+    assert torch.load(out / "checkpoints" / "global_step_3" / "data.pt", weights_only=False)["batch_index"] == 3
     logged = [m["step"] for m in _metrics(out) if m["step"] > 0]
     # every step is logged, the steps after the checkpoint once more by the resumed run, none skipped
-    assert set(logged) == {1, 2, 3, 4}
-    assert logged[-(4 - killed_at):] == list(range(killed_at + 1, 5))
-    check_training_run(out, steps=4, trajectories=4 * 4)
+    assert set(logged) == {1, 2, 3}
+    assert logged[-(3 - killed_at):] == list(range(killed_at + 1, 4))
+    check_training_run(out, steps=3, trajectories=4 * 4)
 
 
 @pytest.mark.slow
 def test_agent_loop_rollout_path_trains_end_to_end(sft_model_dir, tmp_path):
     out = tmp_path / "agent_loop"
     r = _run_training(sft_model_dir, out, "actor_rollout_ref.rollout.mode=agent_loop", "trainer.total_training_steps=1",
-                      "trainer.test_freq=1", "trainer.save_freq=-1")
+                      "trainer.test_freq=1", "trainer.save_freq=-1", "trainer.val_before_train=false")
     assert r.returncode == 0, r.stderr[-4000:]
     (step,) = [m for m in _metrics(out) if m["step"] == 1]
     assert step["agent_loop/num_trajectories"] == 4 * 4  # train_batch_size x rollout.n, same batch layout

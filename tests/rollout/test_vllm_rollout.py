@@ -93,3 +93,29 @@ def test_arpo_rollout_on_vllm_with_real_tools(real_stack):
         for c in r["calls"]:
             if c["end"] > r["bpos"]:
                 assert r["ids"][c["start"] - 1] in tag_ids
+
+
+@pytest.mark.parametrize("policy", ["aepo", "tree_grpo"])
+def test_successor_policies_on_vllm_with_real_tools(real_stack, policy):
+    from arpo.rollout.arpo_rollout import ARPORollout, ARPORolloutConfig
+
+    engine, tok, tools, prompts, loop = real_stack
+    cfg = ARPORolloutConfig.from_dict({
+        "n": 4, "initial_rollouts": 2, "max_response_length": 320, "tool_call_limit": 3, "entropy_window": 10,
+        "branch_probability": 0.0 if policy == "aepo" else 0.5, "return_entropy": True, "seed": 3,
+        "policy": policy, "aepo_penalty": 0.5})
+    gen = ARPORollout(engine, tok, cfg, tools)
+    try:
+        batch = loop.run_until_complete(gen.agenerate(prompts, seed=7))
+    finally:
+        gen.close()
+    check_invariants(batch, cfg, tok, len(prompts))
+    rs = rows(batch)
+    m = batch.meta["metrics"]
+    assert m["rollout/tool_calls/total"] > 0 and m["rollout/branches"] > 0
+    if policy == "tree_grpo":  # two trees of two chains per prompt, continued from real tool results
+        trees = list(batch["tree_index"])
+        assert all(sorted(trees[g * 4:(g + 1) * 4]) == [0, 0, 1, 1] for g in range(len(prompts)))
+        assert m["rollout/branch_points"] == 0
+    else:  # p 0: every decision asks for a fork (no damping brings clip(·) below 0) while the budget lasts
+        assert m["rollout/branch_points"] > 0 and all(r["kind"] in ("initial", "branch", "fill") for r in rs)
