@@ -74,5 +74,5 @@ class ARPOAgentLoop(AgentLoopBase):
             num_turns=2 * t.extra["num_tool_calls"] + 2,  # verl's count: user + assistant + tool
             metrics=timing, finish_reason=t.finish_reason,
             tool_calls=t.tool_calls, token_entropy=t.token_entropy, parent=t.parent, branch_pos=t.branch_pos,
-            extra={k: t.extra[k] for k in ("rollout_kind", "num_tool_calls", "initial_entropy", "tree_index")},
+            extra=dict(t.extra),
         ) for t in trajectories]

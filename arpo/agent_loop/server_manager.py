@@ -83,12 +83,6 @@ class ServerManager:
         while len(self._sessions) > self.max_cache_size:
             self._sessions.popitem(last=False)
 
-    def fork_session(self, parent_id: str, child_id: str) -> None:
-        """Pin ``child_id`` to the parent's server: a branch shares the parent's prefix."""
-        idx = self._sessions.get(parent_id)
-        if idx is not None:
-            self._remember(child_id, idx)
-
     def end_session(self, session_id: str) -> None:
         """Forget a finished conversation (frees its LRU slot)."""
         self._sessions.pop(session_id, None)

@@ -84,8 +84,6 @@ def test_sticky_map_is_an_lru_of_configurable_size():
     assert manager.server_index("a") == a  # touch a: b is now the oldest
     manager.server_index("c")
     assert manager.session_server("b") is None and manager.session_server("a") == a
-    manager.fork_session("a", "a/1")
-    assert manager.session_server("a/1") == a
     manager.end_session("a")
     assert manager.session_server("a") is None
     with pytest.raises(ValueError, match="max_cache_size"):
