@@ -1,6 +1,6 @@
 """Route generate calls over engine servers: least in-flight requests first, sticky per conversation.
 
-Every turn of a conversation (and every ARPO branch forked from it) goes to the server that served its
+Every turn of a conversation (and every branch of an ARPO group, one session) goes to the server that served its
 first turn, so that server's prefix cache already holds the shared history. New conversations go to
 the server with the fewest requests in flight (a heap, updated when requests start and finish — verl
 counts assignments and never decrements, which drifts once conversations differ in length).
