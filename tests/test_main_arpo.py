@@ -1,6 +1,6 @@
 """The trainer entry point: start-up validation (fast) and real end-to-end runs (slow: real vLLM in a Ray actor,
-real FSDP2 workers on gloo, real tools, real rewards): a 2-rank run killed with SIGKILL and resumed, and the
-agent-loop path. Soft and hard advantage train end to end in the ablation smoke (tests/test_ablation.py), which
+real FSDP2 workers on gloo, real tools, real rewards): a 2-rank run on the agent-loop path killed with SIGKILL
+and resumed. Soft and hard advantage train end to end in the ablation smoke (tests/test_ablation.py), which
 checks its runs with ``check_training_run`` too."""
 
 from __future__ import annotations
@@ -58,19 +58,10 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
 
 
-def _run_training(sft_model_dir: Path, out: Path, *overrides: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    data = sft_model_dir.parents[1] / "data" / "synthetic"
-    return subprocess.run(
-        _cmd(f"actor_rollout_ref.model.path={sft_model_dir}", f"synthetic.out_dir={data}",
-             f"trainer.output_dir={out}", "trainer.logger=[console,jsonl]", "trainer.validation.max_samples=8",
-             *overrides),
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, env=_env())
-
-
 def check_training_run(out: Path, steps: int, trajectories: int, model_type: str = "qwen2") -> None:
     """What every finished training run must leave: per-step metrics under verl's names, engine outputs that
     move with the weights after every update, a final validation, the last checkpoint and an HF export.
-    Used by the resume test here (2 ranks, soft) and by the ablation smoke (1 rank, grpo/soft/hard), which
+    Used by the resume test here (2 ranks, soft, agent loops) and by the ablation smoke (1 rank, grpo/soft/hard), which
     are the suite's end-to-end trainings."""
     from transformers import AutoConfig
 
@@ -92,6 +83,8 @@ def check_training_run(out: Path, steps: int, trajectories: int, model_type: str
 
 @pytest.mark.slow
 def test_sigkill_mid_training_resumes_from_the_last_checkpoint(sft_model_dir, tmp_path):
+    """A 2-rank run on the agent-loop rollout path (the batch path trains in the ablation smoke), killed after
+    its second checkpoint and resumed to the end."""
     import torch
 
     out = tmp_path / "resume"
@@ -99,7 +92,8 @@ def test_sigkill_mid_training_resumes_from_the_last_checkpoint(sft_model_dir, tm
     args = _cmd(f"actor_rollout_ref.model.path={sft_model_dir}", f"synthetic.out_dir={data}",
                 f"trainer.output_dir={out}", "trainer.logger=[console,jsonl]", "trainer.total_training_steps=3",
                 "trainer.save_freq=1", "trainer.test_freq=3", "trainer.val_before_train=false",
-                "trainer.validation.max_samples=8", "algorithm.advantage_mode=soft")
+                "trainer.validation.max_samples=8", "algorithm.advantage_mode=soft",
+                "actor_rollout_ref.rollout.mode=agent_loop")
     proc = subprocess.Popen(args, cwd=REPO_ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     ckpt2 = out / "checkpoints" / "global_step_2"
@@ -128,15 +122,5 @@ def test_sigkill_mid_training_resumes_from_the_last_checkpoint(sft_model_dir, tm
     assert set(logged) == {1, 2, 3}
     assert logged[-(3 - killed_at):] == list(range(killed_at + 1, 4))
     check_training_run(out, steps=3, trajectories=4 * 4)
-
-
-@pytest.mark.slow
-def test_agent_loop_rollout_path_trains_end_to_end(sft_model_dir, tmp_path):
-    out = tmp_path / "agent_loop"
-    r = _run_training(sft_model_dir, out, "actor_rollout_ref.rollout.mode=agent_loop", "trainer.total_training_steps=1",
-                      "trainer.test_freq=1", "trainer.save_freq=-1", "trainer.val_before_train=false")
-    assert r.returncode == 0, r.stderr[-4000:]
-    (step,) = [m for m in _metrics(out) if m["step"] == 1]
-    assert step["agent_loop/num_trajectories"] == 4 * 4  # train_batch_size x rollout.n, same batch layout
-    for key in ("critic/score/mean", "actor/pg_loss", "rollout/weight_sync_probe", "val-core/all/reward/mean"):
-        assert key in step, key
+    # train_batch_size x rollout.n through the agent loops: the batch rollout's layout
+    assert all(m["agent_loop/num_trajectories"] == 4 * 4 for m in _metrics(out) if m["step"] > 0)

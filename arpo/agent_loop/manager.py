@@ -187,6 +187,10 @@ class AgentLoopManager:
         out.meta["metrics"] = {
             **_summary("agent_loop/num_turns", [o.num_turns for o in outputs]),
             "agent_loop/num_trajectories": float(len(outputs)),
+            # the batch rollout's names too, so tables and notebooks read both paths alike
+            "rollout/trajectories": float(len(outputs)),
+            # a branch's calls before its fork point ran once, in its parent
+            "rollout/tool_calls/total": float(sum(c["end"] > o.branch_pos for o in outputs for c in o.tool_calls)),
             "agent_loop/branched_fraction": float(np.mean([o.parent >= 0 for o in outputs])),
         }
         return out

@@ -98,6 +98,9 @@ def test_each_group_is_the_batch_rollouts_group(tokenizer, case):
     assert case == "plain sampling" or "branch" in kinds  # the cases really fork
     for a, b in zip(got["token_entropy"], expected["token_entropy"]):
         assert a == pytest.approx(b, nan_ok=True)
+    # the same counts under the batch rollout's metric names: tool calls run once per tree, not per branch
+    for key in ("rollout/trajectories", "rollout/tool_calls/total"):
+        assert got.meta["metrics"][key] == expected.meta["metrics"][key], key
 
 
 def test_groups_spread_over_servers_and_each_stays_on_one(tokenizer):

@@ -1,0 +1,111 @@
+"""Cached test models, built once per version of the code that shapes them, in the background when cold.
+
+The SFT model takes minutes of single-threaded training and the SmolLM2 conversion half a minute. On a cold
+cache (a fresh CI clone) ``start_cold_builds`` starts them in a subprocess at collection time and the tests
+that need them run last, so the rest of the suite uses the other core meanwhile. Builds hold a file lock, so
+two sessions sharing a cache never build the same model twice at once.
+
+Run by hand: ``python -m tests.prebuild sft_model_dir smollm2_base_dir``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+REPO = Path(__file__).resolve().parents[1]
+
+# What shapes each model: a change to any of these files gives a new cache entry.
+SFT_SOURCES = ("arpo/data/synthetic.py", "arpo/data/synthetic_world.py", "arpo/data/synthetic_questions.py",
+               "arpo/models/tiny.py", "arpo/sft.py", "arpo/protocol.py", "configs/synthetic", "configs/tiny_model",
+               "configs/sft.yaml", "configs/tools", "tools/search", "tools/python_sandbox")
+SMOLLM2_SOURCES = ("arpo/models/pretrained.py",)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("ARPO_TEST_CACHE", Path.home() / ".cache" / "arpo-tests"))
+
+
+def cache_key(*paths: str, extra: str = "") -> str:
+    h = hashlib.sha256(extra.encode())
+    for rel in paths:
+        for f in sorted((REPO / rel).rglob("*") if (REPO / rel).is_dir() else [REPO / rel]):
+            if f.is_file() and f.suffix in {".py", ".yaml"}:
+                h.update(str(f.relative_to(REPO)).encode())
+                h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _build_sft(root: Path) -> Path:
+    from arpo.pipeline import build_base_and_sft
+
+    return build_base_and_sft(root)["sft_model"]
+
+
+def _build_smollm2(root: Path) -> Path:
+    from arpo.models.pretrained import prepare_base_model
+
+    return prepare_base_model("smollm2-135m-instruct", root)
+
+
+# fixture name -> (cache folder prefix, sources, builder, the model's path inside the folder)
+MODELS: dict[str, tuple[str, tuple[str, ...], Callable[[Path], Path], str]] = {
+    "sft_model_dir": ("sft", SFT_SOURCES, _build_sft, "models/tiny-sft"),
+    "smollm2_base_dir": ("smollm2-base", SMOLLM2_SOURCES, _build_smollm2, "."),
+}
+
+
+def model_root(name: str) -> Path:
+    prefix, sources, _, _ = MODELS[name]
+    return cache_root() / f"{prefix}-{cache_key(*sources)}"
+
+
+def is_built(name: str) -> bool:
+    return (model_root(name) / "DONE").exists()
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def build(name: str) -> Path:
+    """The cached model for fixture ``name``, built first if missing (waits for a build in progress)."""
+    root = model_root(name)
+    _, _, builder, inner = MODELS[name]
+    with _locked(root.with_name(root.name + ".lock")):
+        if not (root / "DONE").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            builder(root)
+            (root / "DONE").write_text("ok")
+    return (root / inner).resolve()
+
+
+def start_cold_builds(names: list[str]) -> subprocess.Popen | None:
+    """Start one background process building the models in ``names`` that are not cached yet."""
+    cold = [n for n in names if not is_built(n)]
+    if not cold:
+        return None
+    log = cache_root() / "prebuild.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "tests.prebuild", *cold], cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+if __name__ == "__main__":
+    for fixture in sys.argv[1:]:
+        print(f"{fixture}: {build(fixture)}", flush=True)
