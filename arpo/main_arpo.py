@@ -9,6 +9,7 @@ start-up, then runs :class:`arpo.trainer.ray_trainer.RayARPOTrainer`.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 import logging
 from pathlib import Path
 from typing import Any
@@ -93,10 +94,8 @@ def build_trainer(cfg: DictConfig):
     train_loader, val_loader = create_rl_dataloaders(cfg, tokenizer)
     init_ray(cfg)
     tools = load_tools(cfg.tools)
-    engine = create_engine(cfg)
+    engine, actor_wg, ref_wg = _start_engine_and_workers(cfg, create_engine, RayWorkerGroup)
     rollout = build_rollout(cfg, engine, tokenizer, tools)
-    actor_wg = RayWorkerGroup(cfg, role="actor")
-    ref_wg = RayWorkerGroup(cfg, role="ref") if needs_reference(cfg) else None
     reward_manager = RewardManager.from_config(cfg)
     tracker = Tracking(t.project_name, t.experiment_name, list(t.logger), Path(t.output_dir) / "logs",
                        config=OmegaConf.to_container(cfg, resolve=True), wandb_mode=t.wandb_mode)
@@ -105,6 +104,24 @@ def build_trainer(cfg: DictConfig):
     trainer = RayARPOTrainer(cfg, tokenizer, train_loader, val_loader, rollout, actor_wg, ref_wg, engine,
                              reward_manager, tracker, checkpointer)
     return trainer
+
+
+def _start_engine_and_workers(cfg: DictConfig, create_engine, worker_group) -> tuple[Any, Any, Any]:
+    """The rollout engine and the actor (and reference) ranks. On CPU their start-ups (process spawns, imports,
+    model loads; ~10 s each here) run at once. On a GPU they start one after another, as in verl: vLLM sizes its
+    KV cache from the memory free while it profiles, which ranks loading beside it would change."""
+    import ray
+
+    device = cfg.trainer.device
+    if device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0):
+        engine = create_engine(cfg)
+        return (engine, worker_group(cfg, role="actor"),
+                worker_group(cfg, role="ref") if needs_reference(cfg) else None)
+    with ThreadPoolExecutor(3, thread_name_prefix="start-up") as pool:
+        engine = pool.submit(create_engine, cfg)
+        actor = pool.submit(worker_group, cfg, role="actor")
+        ref = pool.submit(worker_group, cfg, role="ref") if needs_reference(cfg) else None
+        return engine.result(), actor.result(), ref.result() if ref is not None else None
 
 
 def build_rollout(cfg: DictConfig, engine: Any, tokenizer: Any, tools: Any):
