@@ -167,3 +167,63 @@ def collate_trajectories(
     for k, per_group in (group_fields or {}).items():
         non_tensors[k] = _object_column([per_group[t.group] for t in trajectories])
     return DataBatch(tensors, non_tensors, {})
+
+
+#: tensor columns laid out as (rows, prompt width), left-padded, and as (rows, prompt + response width)
+_PROMPT_COLUMNS = ("prompts",)
+_FULL_COLUMNS = ("input_ids", "attention_mask", "position_ids")
+#: columns whose padding is the pad token (all other columns pad with 0)
+_ID_COLUMNS = ("prompts", "responses", "input_ids")
+
+
+def select_rows(batch: DataBatch, rows: np.ndarray | list[int]) -> DataBatch:
+    """Rows ``rows`` of a collated batch, with ``parent_index`` renumbered to the new row order.
+    Whole groups must be selected: a selected branch whose parent is left out is an error."""
+    rows = np.asarray(rows, dtype=np.int64)
+    out = batch.index(rows)
+    if "parent_index" in out.non_tensors:
+        new_row = np.full(len(batch), -1, dtype=np.int64)
+        new_row[rows] = np.arange(len(rows))
+        parent = out.non_tensors["parent_index"]
+        renumbered = np.where(parent >= 0, new_row[np.maximum(parent, 0)], -1)
+        if ((parent >= 0) & (renumbered < 0)).any():
+            raise ValueError("select_rows: a selected trajectory's parent was not selected; select whole groups")
+        out.non_tensors["parent_index"] = renumbered
+    return out
+
+
+def concat_padded(batches: list[DataBatch], pad_token_id: int) -> DataBatch:
+    """Collated batches (e.g. several generation rounds) as one: re-padded to the widest prompt and response,
+    ``parent_index`` and ``group_index`` offset so every tree and group stays itself. Meta of the first."""
+    if len(batches) == 1:
+        return batches[0]
+    p_len = max(b.tensors["prompts"].shape[1] for b in batches)
+    r_len = max(b.tensors["responses"].shape[1] for b in batches)
+    padded = []
+    row_offset = group_offset = 0
+    for b in batches:
+        bp, br = b.tensors["prompts"].shape[1], b.tensors["responses"].shape[1]
+        tensors = {}
+        for key, t in b.tensors.items():
+            value = pad_token_id if key in _ID_COLUMNS else 0
+            if key in _PROMPT_COLUMNS:
+                t = torch.nn.functional.pad(t, (p_len - bp, 0), value=value)
+            elif key in _FULL_COLUMNS:
+                t = torch.nn.functional.pad(t, (p_len - bp, r_len - br), value=value)
+            elif t.dim() >= 2:
+                t = torch.nn.functional.pad(t, (0, r_len - br), value=value)
+            tensors[key] = t
+        if "attention_mask" in tensors and "position_ids" in tensors:
+            tensors["position_ids"] = torch.clamp(torch.cumsum(tensors["attention_mask"], dim=1) - 1, min=0)
+        non_tensors = dict(b.non_tensors)
+        if "parent_index" in non_tensors:
+            parent = non_tensors["parent_index"]
+            non_tensors["parent_index"] = np.where(parent >= 0, parent + row_offset, -1)
+        if "group_index" in non_tensors:
+            non_tensors["group_index"] = non_tensors["group_index"] + group_offset
+            group_offset = int(non_tensors["group_index"].max()) + 1 if len(b) else group_offset
+        if "branch_pos" in non_tensors:
+            non_tensors["branch_pos"] = np.minimum(non_tensors["branch_pos"], r_len)
+        padded.append(DataBatch(tensors, non_tensors, b.meta))
+        row_offset += len(b)
+    return DataBatch.concat(padded)

@@ -20,6 +20,8 @@ STEP_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("branches", "rollout/branches", "{:.0f}"),
     ("dH", "rollout/entropy/delta_mean", "{:+.4f}"),
     ("pg_loss", "actor/pg_loss", "{:+.4f}"),
+    ("groups kept", "train/num_groups_kept", "{:.0f}"),       # dynamic sampling (algorithm.filter_groups)
+    ("gen rounds", "train/num_gen_batches", "{:.0f}"),
     ("val_acc", "val-core/all/acc/mean", "{:.3f}"),
     ("val_reward", "val-core/all/reward/mean", "{:.3f}"),
 )

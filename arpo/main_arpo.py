@@ -28,6 +28,7 @@ def validate_config(cfg: DictConfig) -> None:
     from arpo.rollout.config import ARPORolloutConfig
     from arpo.trainer.actor_config import validate_actor_config
     from arpo.trainer.algo_config import validate_algorithm_config
+    from reward_fns.overlong import OverlongBuffer
 
     r = cfg.actor_rollout_ref.rollout
     if r.mode not in ROLLOUT_MODES:
@@ -48,6 +49,7 @@ def validate_config(cfg: DictConfig) -> None:
         arpo_cfg = ARPORolloutConfig.from_dict(r.arpo)
         validate_algorithm_config(cfg)
         validate_actor_config(cfg)
+        OverlongBuffer.from_config(cfg.reward.get("overlong_buffer"), cfg.data.max_response_length)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if arpo_cfg.n != r.n:

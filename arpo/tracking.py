@@ -67,7 +67,7 @@ class Tracking:
         if "console" in self.backends:
             from arpo.console import step_line, validation_line
 
-            trained = any(k.startswith(("critic/", "actor/")) for k in clean)
+            trained = "training/global_step" in clean  # the fit loop's steps (validation-only logs lack it)
             logger.info(step_line(step, clean, self.total_steps) if trained else validation_line(step, clean))
 
     def finish(self) -> None:

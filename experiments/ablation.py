@@ -17,6 +17,11 @@ Suites (every variant: same data, steps, seeds and budget M = ``actor_rollout_re
 - ``branching_rule``: ARPO with ``actor_rollout_ref.rollout.arpo.rule`` ``code`` (the baseline) vs ``paper``.
 - ``policy``: the rollout policy at the same budget: GRPO sampling (the baseline), ARPO, AEPO and Tree-GRPO
   (``actor_rollout_ref.rollout.arpo.policy``; Tree-GRPO with its own advantage, ``adv_estimator=tree_grpo``).
+- ``baselines``: the paper's RL baselines, each a preset (``configs/preset/``): GRPO (the baseline), DAPO,
+  REINFORCE++ and ARPO.
+
+Variants are presets (``preset=<name>``) where one exists, so a suite runs exactly what a user
+running ``python -m arpo.main_arpo preset=<name>`` gets.
 
 Each run is ``python -m arpo.main_arpo <variant keys> actor_rollout_ref.model.path=<model-dir>
 synthetic.out_dir=<data-dir> trainer.seed=K trainer.output_dir=<runs-dir>/<suite>/<variant>/seed<K> [--smoke
@@ -103,9 +108,9 @@ class Suite:
 
 SUITES = {s.name: s for s in (
     Suite("advantage", "GRPO with plain sampling vs ARPO with soft and hard advantage", (
-        Variant("grpo", ("actor_rollout_ref.rollout.mode=single", "algorithm.advantage_mode=soft")),
-        Variant("arpo_soft", (ARPO, "algorithm.advantage_mode=soft")),
-        Variant("arpo_hard", (ARPO, "algorithm.advantage_mode=hard")),
+        Variant("grpo", ("preset=grpo",)),
+        Variant("arpo_soft", ("preset=arpo_soft",)),
+        Variant("arpo_hard", ("preset=arpo_hard",)),
     ), baseline="grpo"),
     Suite("entropy_weight", "ARPO's entropy weight in the branching rule (rule code; 0: forks ignore entropy)",
           tuple(Variant(f"ew_{w}", (ARPO, f"{ROLLOUT_KEY}.rule=code", f"{ROLLOUT_KEY}.entropy_weight={w}"))
@@ -116,10 +121,17 @@ SUITES = {s.name: s for s in (
     ), baseline="rule_code"),
     Suite("policy", "Rollout policy at the same budget: GRPO sampling, ARPO, AEPO (damped consecutive forks), "
                     "Tree-GRPO (tree search, intra + inter-tree advantage)", (
-        Variant("grpo", ("actor_rollout_ref.rollout.mode=single", "algorithm.advantage_mode=soft")),
-        Variant("arpo", (ARPO, f"{ROLLOUT_KEY}.policy=arpo")),
-        Variant("aepo", (ARPO, f"{ROLLOUT_KEY}.policy=aepo")),
-        Variant("tree_grpo", (ARPO, f"{ROLLOUT_KEY}.policy=tree_grpo", "algorithm.adv_estimator=tree_grpo")),
+        Variant("grpo", ("preset=grpo",)),
+        Variant("arpo", ("preset=arpo_soft",)),
+        Variant("aepo", ("preset=aepo",)),
+        Variant("tree_grpo", ("preset=tree_grpo",)),
+    ), baseline="grpo"),
+    Suite("baselines", "The paper's RL baselines at the same budget M: GRPO, DAPO (dynamic sampling generates more "
+                       "rounds per step: train/num_gen_batches), REINFORCE++, ARPO", (
+        Variant("grpo", ("preset=grpo",)),
+        Variant("dapo", ("preset=dapo",)),
+        Variant("reinforce_plus_plus", ("preset=reinforce_plus_plus",)),
+        Variant("arpo", ("preset=arpo_soft",)),
     ), baseline="grpo"),
 )}
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 from tqdm import tqdm
 
+from reward_fns.overlong import OverlongBuffer
 from reward_fns.registry import RewardFn, RewardRegistry, build_compute_score, config_value
 
 if TYPE_CHECKING:  # torch is imported lazily: reward worker processes never need it
@@ -114,6 +115,7 @@ class RewardManager:
         mp_start_method: str = "spawn",
         show_progress: bool = False,
         position: str = "last_valid",
+        overlong: OverlongBuffer | None = None,
     ):
         if position not in POSITIONS:
             raise ValueError(f"reward.position must be one of {POSITIONS}, got {position!r}")
@@ -129,6 +131,8 @@ class RewardManager:
         self.show_progress = show_progress
         #: where build_token_level_rewards puts the score (see its docstring)
         self.position = position
+        #: DAPO's overlong shaping, added to the score on the reward token (off by default)
+        self.overlong = overlong or OverlongBuffer()
         self._pool: Executor | None = None
 
     @classmethod
@@ -143,7 +147,9 @@ class RewardManager:
         return cls(build_compute_score(config), num_workers=int(opt("num_workers", 4)),
                    executor=str(opt("executor", "process")), error_score=float(opt("error_score", 0.0)),
                    mp_start_method=str(opt("mp_start_method", "spawn")),
-                   show_progress=bool(opt("show_progress", False)), position=str(opt("position", "last_valid")))
+                   show_progress=bool(opt("show_progress", False)), position=str(opt("position", "last_valid")),
+                   overlong=OverlongBuffer.from_config(config_value(options, "overlong_buffer"),
+                                                       config_value(config_value(config, "data"), "max_response_length")))
 
     def _get_pool(self) -> Executor:
         if self._pool is None:
@@ -302,7 +308,13 @@ def build_token_level_rewards(
     result = manager.score(items)
     rewards = torch.zeros((n, r_len), dtype=torch.float32)
     mask = batch.tensors.get("response_mask") if position == "last_model_token" else None
-    for i, score in enumerate(result.scores):
+    shaped = list(result.scores)
+    if manager.overlong.enable:
+        penalty = manager.overlong.penalty(valid_len)
+        shaped = [s + float(p) for s, p in zip(shaped, penalty)]
+        result.metrics["reward/overlong/fraction"] = float((penalty < 0).float().mean())
+        result.metrics["reward/overlong/penalty_mean"] = float(penalty.mean())
+    for i, score in enumerate(shaped):
         col = int(valid_len[i]) - 1
         if mask is not None:
             model_cols = torch.nonzero(mask[i, : max(col + 1, 0)]).flatten()

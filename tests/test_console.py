@@ -20,7 +20,7 @@ from arpo.tracking import Tracking
 REPO = Path(__file__).resolve().parents[1]
 STEP = {"critic/score/mean": 0.41234, "reward/acc/mean": 0.375, "rollout/tool_calls/in_trajectory_mean": 1.953,
         "rollout/branches": 14.0, "rollout/entropy/delta_mean": 0.00213, "actor/pg_loss": -0.0123,
-        "timing_s/step": 94.4, "actor/grad_norm": 0.7, "rollout/requests": 61.0}
+        "timing_s/step": 94.4, "actor/grad_norm": 0.7, "rollout/requests": 61.0, "training/global_step": 3}
 
 
 def test_step_line_is_one_short_line_with_the_fields_a_researcher_scans():
@@ -64,9 +64,13 @@ def test_tracking_console_backend_logs_one_concise_line(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="arpo.tracking"):
         tracker.log({"val-core/all/acc/mean": 0.5}, step=0)
         tracker.log(STEP, step=3)
+        # a step that skipped its update (dynamic sampling kept no group) is still a step line
+        tracker.log({"train/num_groups_kept": 0.0, "train/num_gen_batches": 3.0, "timing_s/step": 56.0,
+                     "training/global_step": 4}, step=4)
     tracker.finish()
     messages = [r.getMessage() for r in caplog.records if r.name == "arpo.tracking"]
-    assert messages == ["validation at step 0 | val_acc 0.500", step_line(3, STEP, 8)]
+    assert messages == ["validation at step 0 | val_acc 0.500", step_line(3, STEP, 8),
+                        "step 4/8 | groups kept 0 | gen rounds 3 | 56 s"]
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert logged[1]["actor/grad_norm"] == 0.7  # every metric still reaches the JSONL
 

@@ -194,7 +194,8 @@ def create_rl_dataloaders(cfg: Any, tokenizer: Any) -> tuple[StatefulPromptLoade
     if not train_files:
         raise ValueError("data.train_files is not set: give one or more verl-format parquet files")
     train = StatefulPromptLoader(RLDataset(train_files, tokenizer, **common),
-                                 batch_size=int(cfg_get(cfg, "data.train_batch_size", 1)),
+                                 batch_size=int(cfg_get(cfg, "data.gen_batch_size", None)
+                                                or cfg_get(cfg, "data.train_batch_size", 1)),
                                  shuffle=bool(cfg_get(cfg, "data.shuffle", True)), seed=int(cfg_get(cfg, "data.seed", 1)),
                                  drop_last=True)
     val = None

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from arpo.trainer.core_algos import ADV_ESTIMATOR_REGISTRY, KL_CTRL_TYPES, KL_PENALTY_TYPES, LOSS_AGG_MODES
+from arpo.trainer.dynamic_sampling import filter_groups_config
 from arpo.trainer.hard_advantage import ADVANTAGE_MODES
 from arpo.trainer.logprobs import DEFAULT_CHUNK_SIZE
 
@@ -46,6 +47,14 @@ def validate_algorithm_config(cfg: Any) -> None:
                                      or _get(cfg, "actor_rollout_ref.rollout.arpo.policy", "arpo") != "tree_grpo"):
         raise ValueError("algorithm.adv_estimator=tree_grpo needs Tree-GRPO's trees: set "
                          "actor_rollout_ref.rollout.arpo.policy=tree_grpo (and rollout.mode arpo or agent_loop)")
+    filter_groups = filter_groups_config(cfg)
+    gen = _get(cfg, "data.gen_batch_size")
+    if gen is not None:
+        if not filter_groups.enable:
+            raise ValueError("data.gen_batch_size is for dynamic sampling: set algorithm.filter_groups.enable=true "
+                             "or leave data.gen_batch_size null")
+        if isinstance(gen, bool) or not isinstance(gen, int) or gen < 1:
+            raise ValueError(f"data.gen_batch_size must be null or an integer >= 1, got {gen!r}")
     _choice(cfg, "algorithm.kl_penalty", KL_PENALTY_TYPES, "kl")
     ctrl = _choice(cfg, "algorithm.kl_ctrl.type", KL_CTRL_TYPES, "fixed")
     if ctrl == "adaptive":

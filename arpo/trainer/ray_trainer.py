@@ -24,6 +24,7 @@ from tqdm import tqdm
 from arpo.batch import DataBatch
 from arpo.trainer import core_algos
 from arpo.trainer.actor_config import needs_old_log_prob_pass
+from arpo.trainer.dynamic_sampling import GroupCollector, filter_groups_config
 from arpo.trainer.hard_advantage import apply_advantage_mode
 from arpo.trainer.metrics import Timer, compute_data_metrics
 
@@ -65,6 +66,7 @@ class RayARPOTrainer:
         self.checkpointer = checkpointer
         self.global_step = 0
         self.kl_ctrl = core_algos.get_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
+        self.filter_groups = filter_groups_config(cfg)
         self.free_cache_engine = bool(cfg.actor_rollout_ref.rollout.get("free_cache_engine", False))
         self._weights_dir = Path(tempfile.mkdtemp(prefix="arpo-weights-", dir=_shm_or_tmp()))
 
@@ -75,13 +77,15 @@ class RayARPOTrainer:
         nt["uid"] = _column([str(uuid.uuid4()) for _ in rows])
         return DataBatch({}, nt, {})
 
-    def _generate(self, prompts: DataBatch, validation: bool) -> DataBatch:
+    def _generate(self, prompts: DataBatch, validation: bool, gen_round: int = 0) -> DataBatch:
         """Roll out with the configured path; validation samples ``trainer.validation.n`` per prompt with its
-        own sampling (greedy by default, as ARPO validates) and never branches."""
+        own sampling (greedy by default, as ARPO validates) and never branches. ``gen_round``: the step's
+        generation round under dynamic sampling."""
         r = self.cfg.actor_rollout_ref.rollout
         v = self.cfg.trainer.validation
         # Seeds follow the step, so a resumed run samples exactly what the uninterrupted one would have.
-        prompts.meta["seed"] = (int(self.cfg.trainer.seed) * 1_000_003 + self.global_step * 2 + validation) & 0x7FFFFFFF
+        prompts.meta["seed"] = (int(self.cfg.trainer.seed) * 1_000_003 + self.global_step * 2 + validation
+                                + gen_round * 7_919) & 0x7FFFFFFF
         if validation:
             prompts.meta["rollout_overrides"] = {"mode": "single", "n": v.n, "initial_rollouts": v.n,
                                                  "temperature": v.temperature, "top_p": v.top_p, "top_k": v.top_k}
@@ -108,25 +112,55 @@ class RayARPOTrainer:
         acc = extra.get("acc") or [None] * len(texts)
         batch.non_tensors["reward_acc"] = _column([float(a) if a is not None else float(s)
                                                    for a, s in zip(acc, result.scores)])
+        batch.non_tensors["reward_score"] = _column([float(s) for s in result.scores])  # before any shaping
         if "format_ok" in extra:
             batch.non_tensors["reward_format_ok"] = _column(extra["format_ok"])
         return batch, result.metrics
 
+    def _rollout_round(self, rows: list[dict[str, Any]], timer: Timer, gen_round: int) -> tuple[DataBatch, dict]:
+        """One generation round of a step: roll out and score ``rows``."""
+        with timer.phase("gen"):
+            batch = self._generate(self._prompt_batch(rows), validation=False, gen_round=gen_round)
+        metrics = {k if "/" in k else f"rollout/{k}": v for k, v in batch.meta.get("metrics", {}).items()}
+        batch.meta["max_response_length"] = self.cfg.data.max_response_length
+        batch.meta["max_prompt_length"] = self.cfg.data.max_prompt_length
+        with timer.phase("reward"):
+            batch, reward_metrics = self._score(batch)
+        return batch, {**metrics, **reward_metrics}
+
+    def _collect_batch(self, rows: list[dict[str, Any]], timer: Timer) -> tuple[DataBatch | None, dict]:
+        """The step's scored batch: one round, or with dynamic sampling the informative groups of as many
+        rounds as it takes (None when no group was informative). Round metrics are averaged over rounds."""
+        if not self.filter_groups.enable:
+            return self._rollout_round(rows, timer, 0)
+        collector = GroupCollector(self.filter_groups, int(self.cfg.data.train_batch_size),
+                                   self.tokenizer.pad_token_id)
+        round_metrics: list[dict[str, float]] = []
+        while True:
+            batch, m = self._rollout_round(rows, timer, collector.rounds)
+            collector.add(batch)
+            round_metrics.append(m)
+            if collector.done:
+                break
+            rows = self.train_data.next_batch()
+        keys = dict.fromkeys(k for m in round_metrics for k in m)
+        metrics = {k: float(np.mean([m[k] for m in round_metrics if k in m])) for k in keys}
+        metrics.update(collector.metrics())
+        if collector.kept < collector.target:
+            logger.warning("step %d: %d of %d prompt groups informative after %d generation rounds (the cap); %s",
+                           self.global_step + 1, collector.kept, collector.target, collector.rounds,
+                           "training on those" if collector.kept else "no update this step")
+        return collector.batch(), metrics
+
     def train_step(self, rows: list[dict[str, Any]]) -> dict[str, float]:
         cfg = self.cfg
         timer = Timer()
-        metrics: dict[str, float] = {}
         with timer.phase("step"):
-            with timer.phase("gen"):
-                batch = self._generate(self._prompt_batch(rows), validation=False)
-            metrics.update({k if "/" in k else f"rollout/{k}": v for k, v in batch.meta.get("metrics", {}).items()})
+            batch, metrics = self._collect_batch(rows, timer)
+            if batch is None:  # dynamic sampling kept nothing: no signal to train on, the weights stay
+                return {**metrics, **timer.metrics()}
             if self.free_cache_engine:  # verl: the engine gives its GPU memory back while the actor trains
                 _run(self.engine.sleep())
-            batch.meta["max_response_length"] = cfg.data.max_response_length
-            batch.meta["max_prompt_length"] = cfg.data.max_prompt_length
-            with timer.phase("reward"):
-                batch, reward_metrics = self._score(batch)
-                metrics.update(reward_metrics)
             # On-policy (one mini-batch, one epoch: ARPO's setting) the update takes old log-probs and
             # actor/entropy from its own forward, as verl's dp_actor does; the released ARPO code (older
             # verl) always ran this pass, which changes only float rounding.
