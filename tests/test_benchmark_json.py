@@ -69,6 +69,14 @@ def test_bench_algos():
         assert adv[name]["max_abs_diff"] < 1e-4  # the two forms agree
 
 
+def test_bench_tree_packing():
+    result = run_bench("bench_tree_packing.py", "--groups", 1, "--layers", 1, "--repeats", 1, "--prompt-len", 20)
+    assert 0 < result["unique_over_total_tokens"] < 1 and result["groups"] >= 1
+    (timed,) = result["timed_groups"]
+    assert timed["unique_tokens"] < timed["total_tokens"] and timed["packed_s"] > 0 and timed["unpacked_s"] > 0
+    assert timed["max_abs_logprob_diff"] < 1e-4  # the packed forward is the unpacked one
+
+
 def test_bench_sandbox():
     usable = _sandbox_usable()
     result = run_bench("bench_sandbox.py", "--calls", 4, "--concurrency", 1, 2, returncode=0 if usable else 1)

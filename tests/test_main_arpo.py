@@ -124,3 +124,37 @@ def test_sigkill_mid_training_resumes_from_the_last_checkpoint(sft_model_dir, tm
     check_training_run(out, steps=3, trajectories=4 * 4)
     # train_batch_size x rollout.n through the agent loops: the batch rollout's layout
     assert all(m["agent_loop/num_trajectories"] == 4 * 4 for m in _metrics(out) if m["step"] > 0)
+
+
+@pytest.mark.slow
+def test_dapo_preset_trains_on_informative_groups_of_several_rounds(sft_model_dir, tmp_path):
+    """preset=dapo end to end: groups filtered over generation rounds, batches of two rounds joined (re-padded,
+    trees kept) and cut to train_batch_size, the overlong penalty in the reward. The tiny model almost never
+    answers correctly, so groups are told apart by their summed reward (format, overlong) instead of accuracy."""
+    out = tmp_path / "dapo"
+    data = sft_model_dir.parents[1] / "data" / "synthetic"
+    r = subprocess.run(_cmd("preset=dapo", f"actor_rollout_ref.model.path={sft_model_dir}", f"synthetic.out_dir={data}",
+                            f"trainer.output_dir={out}", "trainer.logger=[console,jsonl]", "trainer.n_gpus_per_node=1",
+                            "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.val_before_train=false",
+                            "trainer.validation.max_samples=8", "data.gen_batch_size=4",
+                            "algorithm.filter_groups.metric=seq_reward", "algorithm.filter_groups.max_num_gen_batches=3"),
+                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env=_env())
+    assert r.returncode == 0, r.stderr[-4000:]
+    steps = [m for m in _metrics(out) if m["step"] > 0]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        rounds, kept, dropped = m["train/num_gen_batches"], m["train/num_groups_kept"], m["train/num_groups_dropped"]
+        assert 1 <= rounds <= 3 and kept <= 4 and kept + dropped + m["train/num_groups_surplus"] == 4 * rounds
+        assert (kept == 4) or rounds == 3  # stops as soon as the batch is full, else at the cap
+        assert "reward/overlong/fraction" in m
+        if kept:  # the update's batch: the kept groups, whole, each with rewards that differ
+            rows = [json.loads(line) for line in
+                    (out / "rollouts" / f"step_{m['step']}.jsonl").read_text().splitlines()]
+            groups = {}
+            for row in rows:
+                groups.setdefault(row["group"], []).append(row["score"])
+            assert len(rows) == 4 * kept and len(groups) == kept
+            assert all(len(set(scores)) > 1 for scores in groups.values())
+            assert "actor/pg_loss" in m
+    assert any(m["train/num_gen_batches"] > 1 for m in steps) or all(m["train/num_groups_kept"] == 4 for m in steps)
+    assert (out / "checkpoints" / "global_step_2" / "trainer_state.pt").exists()
