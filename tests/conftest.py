@@ -2,15 +2,12 @@
 
 The tiny base model is rebuilt per session (seconds). The SFT model takes minutes, so it is cached under
 ``$ARPO_TEST_CACHE`` (default ``~/.cache/arpo-tests``) keyed by a hash of the code and configs that shape it
-(tests/prebuild.py): a fresh clone (CI) trains it once, in the background while the modules that do not need
-it run first; later sessions reuse it until that code changes.
+(tests/prebuild.py): a fresh clone (CI) trains it once, later sessions reuse it until that code changes.
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -89,34 +86,5 @@ def smollm2_truncated_dir(smollm2_base_dir, tmp_path_factory) -> Path:
     return out
 
 
-# Cold cached models build in one background process while the tests that do not need them run first.
-_background_build: subprocess.Popen | None = None
-
-
 def _cached_model(name: str) -> Path:
-    if _background_build is not None:
-        _background_build.wait()  # a failed background build is redone here, where its error shows
     return prebuild.build(name)
-
-
-def _needs_cached_model(item: pytest.Item) -> bool:
-    return any(name in prebuild.MODELS for name in getattr(item, "fixturenames", ()))
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config, items) -> None:
-    # Whole modules move, in order, so module-scoped fixtures (engines, clusters) are still set up once.
-    late = {i.nodeid.split("::")[0] for i in items if _needs_cached_model(i)}
-    items[:] = sorted(items, key=lambda i: i.nodeid.split("::")[0] in late)  # stable: order kept within each part
-
-
-def pytest_collection_finish(session) -> None:
-    global _background_build
-    names = sorted({n for item in session.items for n in getattr(item, "fixturenames", ()) if n in prebuild.MODELS})
-    if names and not session.config.option.collectonly:
-        _background_build = prebuild.start_cold_builds(names)
-
-
-def pytest_sessionfinish(session) -> None:
-    if _background_build is not None and _background_build.poll() is None:
-        os.killpg(_background_build.pid, signal.SIGTERM)

@@ -1,11 +1,11 @@
-"""Cached test models, built once per version of the code that shapes them, in the background when cold.
+"""Cached test models, built once per version of the code that shapes them.
 
-The SFT model takes minutes of single-threaded training and the SmolLM2 conversion half a minute. On a cold
-cache (a fresh CI clone) ``start_cold_builds`` starts them in a subprocess at collection time and the tests
-that need them run last, so the rest of the suite uses the other core meanwhile. Builds hold a file lock, so
-two sessions sharing a cache never build the same model twice at once.
+The SFT model takes minutes of single-threaded training and the SmolLM2 conversion half a minute. Builds hold a
+file lock, so two sessions sharing a cache (two worktrees) never build the same model at once. Building them in
+a background process while other tests ran was tried and measured slower: on 2 cores the suite's own torch and
+vLLM work and the build slowed each other more than the overlap saved (early-phase tests ~2x slower).
 
-Run by hand: ``python -m tests.prebuild sft_model_dir smollm2_base_dir``.
+Build ahead by hand: ``python -m tests.prebuild sft_model_dir smollm2_base_dir``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import fcntl
 import hashlib
 import os
 import shutil
-import subprocess
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -92,18 +91,6 @@ def build(name: str) -> Path:
             builder(root)
             (root / "DONE").write_text("ok")
     return (root / inner).resolve()
-
-
-def start_cold_builds(names: list[str]) -> subprocess.Popen | None:
-    """Start one background process building the models in ``names`` that are not cached yet."""
-    cold = [n for n in names if not is_built(n)]
-    if not cold:
-        return None
-    log = cache_root() / "prebuild.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "tests.prebuild", *cold], cwd=REPO, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
 
 
 if __name__ == "__main__":
