@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -18,6 +18,15 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 class ConfigError(ValueError):
     """A bad config value; the message names the key and the fix."""
+
+
+def section_values(section: Mapping[str, Any] | None, key: str, known: set[str]) -> dict[str, Any]:
+    """The set (non-null) values of config section ``key``; a key outside ``known`` is an error naming it."""
+    section = dict(section or {})
+    unknown = sorted(set(section) - known)
+    if unknown:
+        raise ValueError(f"{key}.{unknown[0]} is not a key; the keys are {', '.join(sorted(known))}")
+    return {k: v for k, v in section.items() if v is not None}
 
 
 def config_dir() -> Path:

@@ -9,8 +9,8 @@ start-up, then runs :class:`arpo.trainer.ray_trainer.RayARPOTrainer`.
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 

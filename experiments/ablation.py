@@ -106,9 +106,13 @@ class Suite:
     baseline: str
 
 
+#: the baseline of the suites that compare against GRPO, and ARPO as the policy and baseline suites run it
+GRPO = Variant("grpo", ("preset=grpo",))
+ARPO_PRESET = Variant("arpo", ("preset=arpo_soft",))
+
 SUITES = {s.name: s for s in (
     Suite("advantage", "GRPO with plain sampling vs ARPO with soft and hard advantage", (
-        Variant("grpo", ("preset=grpo",)),
+        GRPO,
         Variant("arpo_soft", ("preset=arpo_soft",)),
         Variant("arpo_hard", ("preset=arpo_hard",)),
     ), baseline="grpo"),
@@ -121,17 +125,17 @@ SUITES = {s.name: s for s in (
     ), baseline="rule_code"),
     Suite("policy", "Rollout policy at the same budget: GRPO sampling, ARPO, AEPO (damped consecutive forks), "
                     "Tree-GRPO (tree search, intra + inter-tree advantage)", (
-        Variant("grpo", ("preset=grpo",)),
-        Variant("arpo", ("preset=arpo_soft",)),
+        GRPO,
+        ARPO_PRESET,
         Variant("aepo", ("preset=aepo",)),
         Variant("tree_grpo", ("preset=tree_grpo",)),
     ), baseline="grpo"),
     Suite("baselines", "The paper's RL baselines at the same budget M: GRPO, DAPO (dynamic sampling generates more "
                        "rounds per step: train/num_gen_batches), REINFORCE++, ARPO", (
-        Variant("grpo", ("preset=grpo",)),
+        GRPO,
         Variant("dapo", ("preset=dapo",)),
         Variant("reinforce_plus_plus", ("preset=reinforce_plus_plus",)),
-        Variant("arpo", ("preset=arpo_soft",)),
+        ARPO_PRESET,
     ), baseline="grpo"),
 )}
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from arpo.config import section_values
+
 
 @dataclass(frozen=True)
 class OverlongBuffer:
@@ -26,13 +28,8 @@ class OverlongBuffer:
 
     @classmethod
     def from_config(cls, section: Mapping[str, Any] | None, max_response_length: int | None) -> "OverlongBuffer":
-        section = dict(section or {})
-        known = {"enable", "len", "penalty_factor"}
-        unknown = sorted(set(section) - known)
-        if unknown:
-            raise ValueError(f"reward.overlong_buffer.{unknown[0]} is not a key; the keys are {', '.join(sorted(known))}")
-        buf = cls(**{k: section[k] for k in known if section.get(k) is not None},
-                  max_response_length=int(max_response_length or 0))
+        values = section_values(section, "reward.overlong_buffer", {"enable", "len", "penalty_factor"})
+        buf = cls(**values, max_response_length=int(max_response_length or 0))
         if buf.enable:
             if isinstance(buf.len, bool) or not isinstance(buf.len, int) or not 0 < buf.len <= buf.max_response_length:
                 raise ValueError(f"reward.overlong_buffer.len must be an integer in 1..data.max_response_length "

@@ -9,12 +9,13 @@ run on a task that is too easy or too hard still progresses and says so in ``tra
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 
 from arpo.batch import DataBatch, concat_padded, select_rows
+from arpo.config import section_values
 
 #: what "the same" is measured on: the accuracy, the raw reward score, or the summed token-level reward (which
 #: includes shaping such as DAPO's overlong penalty). verl's seq_final_reward (after a KL penalty in the
@@ -47,12 +48,9 @@ class FilterGroupsConfig:
 def filter_groups_config(cfg: Any) -> FilterGroupsConfig:
     """The validated ``algorithm.filter_groups`` section of a root config (defaults where absent)."""
     algo = cfg.get("algorithm") if isinstance(cfg, Mapping) or hasattr(cfg, "get") else None
-    section = (algo.get("filter_groups") if algo is not None else None) or {}
-    known = {"enable", "metric", "max_num_gen_batches"}
-    unknown = sorted(set(section) - known)
-    if unknown:
-        raise ValueError(f"algorithm.filter_groups.{unknown[0]} is not a key; the keys are {', '.join(sorted(known))}")
-    fg = FilterGroupsConfig(**{k: section[k] for k in known if section.get(k) is not None})
+    section = algo.get("filter_groups") if algo is not None else None
+    fg = FilterGroupsConfig(**section_values(section, "algorithm.filter_groups",
+                                             {f.name for f in fields(FilterGroupsConfig)}))
     return fg.validate(bool(algo.get("use_kl_in_reward", False)) if algo is not None else False)
 
 
