@@ -26,7 +26,7 @@ run-tiny: install
 # The whole suite, slow tests (real vLLM, Ray, FSDP2, SFT) included. pytest's exit 5 (nothing collected) is an error.
 # The 20 slowest tests are listed at the end, to keep the suite's time in view.
 test: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=20 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=20 $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -94,30 +94,44 @@ def _cached_model(name: str) -> Path:
 CACHED_MODELS = tuple(prebuild.MODELS)
 
 
+#: modules that must run on the same worker as another: they share a session fixture's product
+SAME_WORKER = {"tests/test_notebook.py": "tests/test_ablation.py"}  # the smoke ablation (minutes)
+
+
+def _scope(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0]
+    return SAME_WORKER.get(module, module)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``make test`` runs two pytest-xdist workers: each module on one worker (its module-scoped engines start
+    once), the modules in :data:`SAME_WORKER` with their partner, in the order below. (xdist's own ``loadgroup``
+    does nothing under pytest 9: it renames ``item._nodeid``, which pytest 9 no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope(nodeid)
+
+    return ModuleScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Order modules for two workers (``make test`` runs ``pytest -n 2 --dist loadgroup``) and keep each module on
-    one worker (its module-scoped engines start once).
-
-    The smoke-ablation group goes first: its worker builds the SFT model, then runs the suite's longest job.
-    Meanwhile the other worker runs every module that needs no cached model; modules that do come last, when the
-    models exist, so no worker waits on another's build. A serial run keeps the same order.
-    """
-    def group(item) -> str:
-        marker = item.get_closest_marker("xdist_group")
-        return marker.args[0] if marker else item.nodeid.split("::")[0]
-
+    """Module order, for two workers: the smoke ablation's modules first (their worker builds the SFT model, then
+    runs the suite's longest job); meanwhile the other worker runs every module that needs no cached model; the
+    modules that do come last, when the models exist, so no worker waits on another's build. A serial run keeps
+    the same order."""
     needs_cache: dict[str, bool] = {}
     first: set[str] = set()
     for item in items:
-        g = group(item)
-        needs_cache[g] = needs_cache.get(g, False) or any(f in item.fixturenames for f in CACHED_MODELS)
+        scope = _scope(item.nodeid)
+        needs_cache[scope] = needs_cache.get(scope, False) or any(f in item.fixturenames for f in CACHED_MODELS)
         if "smoke_ablation" in item.fixturenames:
-            first.add(g)
-        if not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(g))
+            first.add(scope)
 
     def phase(item) -> int:
-        return 0 if group(item) in first else 2 if needs_cache[group(item)] else 1
+        scope = _scope(item.nodeid)
+        return 0 if scope in first else 2 if needs_cache[scope] else 1
 
     items.sort(key=phase)  # stable: collection order within a phase
-

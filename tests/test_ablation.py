@@ -17,10 +17,6 @@ from arpo.config import REPO_ROOT, load_config
 from experiments import ablation
 from tests.test_main_arpo import check_training_run
 
-#: one worker runs this module and its sibling (tests/conftest.py): they share the smoke ablation
-SMOKE_GROUP = "smoke_ablation"
-pytestmark = pytest.mark.xdist_group(SMOKE_GROUP)
-
 #: the smoke ablation's results, shared with tests/test_notebook.py (each module gets its own fixture, one run)
 _SMOKE: dict[str, Path] = {}
 

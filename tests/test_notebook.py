@@ -11,10 +11,7 @@ import pytest
 from nbclient import NotebookClient
 
 from arpo.config import REPO_ROOT
-from tests.test_ablation import SMOKE_GROUP, smoke_ablation  # noqa: F401  (the shared session fixture)
-
-#: one worker runs this module and its sibling (tests/conftest.py): they share the smoke ablation
-pytestmark = pytest.mark.xdist_group(SMOKE_GROUP)
+from tests.test_ablation import smoke_ablation  # noqa: F401  (the shared session fixture)
 
 NOTEBOOK = REPO_ROOT / "notebooks" / "arpo_analysis.ipynb"
 
