@@ -78,6 +78,21 @@ def ray_cpus_needed(cfg: DictConfig) -> float:
     return groups * ranks * float(cfg.trainer.cpus_per_worker) + 1
 
 
+def check_cluster_fits(cfg: DictConfig) -> None:
+    """A joined cluster (``ray_init.address``) must hold the CPUs the actors ask for; Ray would otherwise wait
+    forever for an actor it cannot place. A private cluster is sized by ``ray_init.num_cpus`` (validate_config)."""
+    import ray
+
+    if cfg.ray_init.address is None:
+        return
+    needed, have = ray_cpus_needed(cfg), ray.cluster_resources().get("CPU", 0.0)
+    if needed > have:
+        raise ConfigError(f"the Ray cluster at ray_init.address={cfg.ray_init.address} has {have:g} CPUs, fewer than "
+                          f"the {needed:g} the actors ask for (trainer.nnodes x trainer.n_gpus_per_node x "
+                          f"trainer.cpus_per_worker per worker group, + 1 for the engine): add nodes to the cluster "
+                          f"or lower those keys")
+
+
 def build_trainer(cfg: DictConfig):
     from transformers import AutoTokenizer
 
@@ -95,6 +110,7 @@ def build_trainer(cfg: DictConfig):
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     train_loader, val_loader = create_rl_dataloaders(cfg, tokenizer)
     init_ray(cfg)
+    check_cluster_fits(cfg)
     tools = load_tools(cfg.tools)
     engine, actor_wg, ref_wg = _start_engine_and_workers(cfg, create_engine, RayWorkerGroup)
     rollout = build_rollout(cfg, engine, tokenizer, tools)

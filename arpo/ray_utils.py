@@ -66,9 +66,17 @@ def init_ray(cfg: Any = None) -> None:
         from arpo.logging_utils import adopt_library_logger
 
         adopt_library_logger("ray")
+    # Workers must import this checkout's code, not whatever `arpo` the venv's editable install points at; on a
+    # cluster every node holds the checkout at the same path (README: several machines).
+    python_path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    runtime_env["env_vars"]["PYTHONPATH"] = python_path
     if address:
+        # A cluster on this machine's loopback (a head started with --node-ip-address=127.0.0.1): the driver must
+        # say it is on that node too, or Ray looks for a raylet at the machine's routable address.
+        host = str(address).rsplit(":", 1)[0]
+        local = {"_node_ip_address": "127.0.0.1"} if host in ("127.0.0.1", "localhost") else {}
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=log_to_driver, runtime_env=runtime_env,
-                 configure_logging=log_to_driver)
+                 configure_logging=log_to_driver, **local)
         logger.info("joined ray cluster at %s: %s", address, ray.cluster_resources())
         return
     temp_dir = section.get("temp_dir") or os.path.join(tempfile.gettempdir(), "ray")
@@ -83,9 +91,6 @@ def init_ray(cfg: Any = None) -> None:
         log_to_driver=log_to_driver,
         configure_logging=log_to_driver,
     )
-    # Workers must import this checkout's code, not whatever `arpo` the venv's editable install points at.
-    python_path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    runtime_env["env_vars"]["PYTHONPATH"] = python_path
     kwargs["runtime_env"] = runtime_env
     if section.get("num_gpus") is not None:
         kwargs["num_gpus"] = section["num_gpus"]

@@ -35,7 +35,7 @@ from arpo.agent_loop import AgentLoopConfig, AgentLoopManager  # noqa: E402
 from arpo.agent_loop.templating import ChatTemplater  # noqa: E402
 from arpo.batch import DataBatch  # noqa: E402
 from arpo.engine.base import SamplingParams  # noqa: E402
-from arpo.engine.fake import ScriptedEngine, ScriptPolicy, build_chat_tokenizer  # noqa: E402
+from arpo.testing.scripted_engine import ScriptedEngine, ScriptPolicy, build_chat_tokenizer  # noqa: E402
 from arpo.rollout.arpo_rollout import ARPORollout  # noqa: E402
 from tools.base import BaseTool  # noqa: E402
 

@@ -48,7 +48,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from arpo.engine.fake import ScriptedEngine, ScriptPolicy  # noqa: E402
+from arpo.testing.scripted_engine import ScriptedEngine, ScriptPolicy  # noqa: E402
 from arpo.rollout.arpo_rollout import ARPORollout, ARPORolloutConfig  # noqa: E402
 from tools.base import BaseTool  # noqa: E402
 

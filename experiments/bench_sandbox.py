@@ -1,7 +1,7 @@
 """Sandboxed Python throughput: calls/s for ordinary small programs at several concurrency levels.
 
     python experiments/bench_sandbox.py --calls 48 --concurrency 1 8 [--isolation bwrap] [--numpy]
-    python experiments/bench_sandbox.py --calls 4 --concurrency 1 2          # smoke: a second or two
+    python experiments/bench_sandbox.py --calls 4 --concurrency 1 2 --timeout-s 60   # smoke: a second or two
 
 Prints one JSON object on stdout and nothing else (without a usable sandbox: the report with no ``runs``, the
 reason on stderr, exit status 1). Each call is a fresh interpreter in fresh namespaces, so this measures the whole
@@ -59,8 +59,11 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--isolation", default="auto", choices=["auto", "bwrap", "unshare"])
     parser.add_argument("--numpy", action="store_true", help="also time a program that imports numpy")
+    parser.add_argument("--timeout-s", type=float, default=SandboxConfig.timeout_s,
+                        help="wall-clock limit per call (the tool's default; the smoke run raises it, since on a "
+                             "busy machine an interpreter start alone can take seconds)")
     args = parser.parse_args()
-    config = SandboxConfig(isolation=args.isolation)
+    config = SandboxConfig(isolation=args.isolation, timeout_s=args.timeout_s)
     mode, note = resolve_isolation(config)
     report = {"isolation": mode, "isolation_note": note or None, "cpu_count": os.cpu_count(),
               "python": platform.python_version(), "runs": []}

@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 
 #: ``--smoke``: the two scripts' arguments for a run of seconds.
 SMOKE_ARGS = {"bench_search.py": ["--docs", "200", "--queries", "20", "--concurrency", "1", "2"],
-              "bench_sandbox.py": ["--calls", "4", "--concurrency", "1", "2"]}
+              "bench_sandbox.py": ["--calls", "4", "--concurrency", "1", "2", "--timeout-s", "60"]}
 
 
 def _run(script: str, *args: str) -> dict:

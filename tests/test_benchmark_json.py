@@ -79,7 +79,8 @@ def test_bench_tree_packing():
 
 def test_bench_sandbox():
     usable = _sandbox_usable()
-    result = run_bench("bench_sandbox.py", "--calls", 4, "--concurrency", 1, 2, returncode=0 if usable else 1)
+    result = run_bench("bench_sandbox.py", "--calls", 4, "--concurrency", 1, 2, "--timeout-s", 60,
+                       returncode=0 if usable else 1)
     assert {"isolation", "isolation_note", "cpu_count", "python", "runs"} <= set(result)
     if not usable:  # still one JSON object (no runs), the reason on stderr
         assert result["isolation"] is None and result["runs"] == []
@@ -112,7 +113,7 @@ def test_bench_tools_smoke():
     assert set(result) == {"search", "sandbox"}
     assert result["search"]["synthetic"]["docs"] == 200
     assert sorted({r["programs"] for r in result["sandbox"]["runs"]}) == ["numpy", "small"]
-    assert all(r["calls"] == 4 and r["failures"] == 0 for r in result["sandbox"]["runs"])
+    assert all(r["calls"] == 4 and r["failures"] == 0 for r in result["sandbox"]["runs"]), result["sandbox"]["runs"]
 
 
 def test_bench_engine_hf(tiny_model_dir):

@@ -1,17 +1,23 @@
 """The trainer entry point: start-up validation (fast) and real end-to-end runs (slow: real vLLM in a Ray actor,
 real FSDP2 workers on gloo, real tools, real rewards): a 2-rank run on the agent-loop path killed with SIGKILL
-and resumed. Soft and hard advantage train end to end in the ablation smoke (tests/test_ablation.py), which
-checks its runs with ``check_training_run`` too."""
+and resumed, and the DAPO preset on a Ray cluster started beforehand (``ray_init.address``). Soft and hard
+advantage train end to end in the ablation smoke (tests/test_ablation.py), which checks its runs with
+``check_training_run`` too."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -79,6 +85,32 @@ def _kill_session(sid: int, timeout: float = 30.0) -> None:
             return
         assert time.time() < deadline, f"processes of the killed run still alive: {left}"
         time.sleep(0.2)
+
+
+@contextmanager
+def ray_head(num_cpus: int) -> Iterator[str]:
+    """A Ray head node started as a user starts one (``ray start --head``) on 127.0.0.1; yields its address.
+    Its processes live in their own session, which is killed afterwards (never ``ray stop``: that would also stop
+    this pytest's own Ray)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    temp_dir = tempfile.mkdtemp(prefix="rayhead", dir="/tmp")  # Ray's socket paths must stay short
+    env = {**_env(), "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_raylet_start_wait_time_s": "120"}  # as init_ray sets
+    start = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
+                              "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", "--num-gpus=0",
+                              "--include-dashboard=false", f"--temp-dir={temp_dir}",
+                              "--object-store-memory=209715200"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    try:
+        out, _ = start.communicate(timeout=180)  # returns once the head's raylet is up
+        assert start.returncode == 0, out[-3000:]
+        yield f"127.0.0.1:{port}"
+    finally:
+        _kill_session(start.pid)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -155,19 +187,34 @@ def test_sigkill_mid_training_resumes_from_the_last_checkpoint(sft_model_dir, tm
 
 
 @pytest.mark.slow
-def test_dapo_preset_trains_on_informative_groups_of_several_rounds(sft_model_dir, tmp_path):
+def test_dapo_preset_trains_on_informative_groups_of_several_rounds_on_a_joined_cluster(sft_model_dir, tmp_path):
     """preset=dapo end to end (one step): groups filtered over generation rounds, rounds joined (re-padded,
     trees kept) and cut to train_batch_size, the overlong penalty in the reward. The tiny model almost never
-    answers correctly, so groups are told apart by their summed reward (format, overlong) instead of accuracy."""
+    answers correctly, so groups are told apart by their summed reward (format, overlong) instead of accuracy.
+    The run joins a Ray cluster started beforehand (``ray_init.address``), as on several machines, and leaves
+    it running; a cluster too small for the config is one clear error."""
     out = tmp_path / "dapo"
     data = sft_model_dir.parents[1] / "data" / "synthetic"
-    r = subprocess.run(_cmd("preset=dapo", f"actor_rollout_ref.model.path={sft_model_dir}", f"synthetic.out_dir={data}",
-                            f"trainer.output_dir={out}", "trainer.logger=[console,jsonl]", "trainer.n_gpus_per_node=1",
-                            "trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.val_before_train=false",
-                            "data.gen_batch_size=4",
-                            "algorithm.filter_groups.metric=seq_reward", "algorithm.filter_groups.max_num_gen_batches=3"),
-                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env=_env())
-    assert r.returncode == 0, r.stderr[-4000:]
+    common = (f"actor_rollout_ref.model.path={sft_model_dir}", f"synthetic.out_dir={data}",
+              f"trainer.output_dir={out}", "trainer.logger=[console,jsonl]")
+    with ray_head(num_cpus=3) as address:
+        too_big = subprocess.run(_cmd(*common, f"ray_init.address={address}", "trainer.n_gpus_per_node=2",
+                                      "trainer.cpus_per_worker=2"),
+                                 cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=_env())
+        assert too_big.returncode == 2, too_big.stderr[-3000:]
+        assert too_big.stderr.strip().splitlines()[-1].startswith(
+            f"config error: the Ray cluster at ray_init.address={address} has 3 CPUs"), too_big.stderr[-3000:]
+
+        r = subprocess.run(_cmd("preset=dapo", *common, f"ray_init.address={address}", "trainer.n_gpus_per_node=1",
+                                "trainer.total_training_steps=1", "trainer.test_freq=-1",
+                                "trainer.val_before_train=false", "data.gen_batch_size=4",
+                                "algorithm.filter_groups.metric=seq_reward",
+                                "algorithm.filter_groups.max_num_gen_batches=3"),
+                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env=_env())
+        assert r.returncode == 0, r.stderr[-4000:]
+        assert f"joined ray cluster at {address}" in (out / "logs" / "arpo.log").read_text()
+        host, port = address.split(":")
+        socket.create_connection((host, int(port)), timeout=5).close()  # the run left the cluster running
     steps = [m for m in _metrics(out) if m["step"] > 0]
     assert [m["step"] for m in steps] == [1]
     for m in steps:

@@ -195,16 +195,6 @@ class AgentLoopManager:
         }
         return out
 
-    def update_weights(self, weights_dir: str) -> None:
-        """Load new weights on every server (and forget sticky sessions: the prefix caches are gone)."""
-        self.run_coroutine(self.server_manager.update_weights(weights_dir))
-
-    def wake_up(self) -> None:
-        self.run_coroutine(self.server_manager.wake_up())
-
-    def sleep(self) -> None:
-        self.run_coroutine(self.server_manager.sleep())
-
     def run_coroutine(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the manager's event-loop thread and wait for it."""
         if self._loop is None:

@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from arpo.engine.fake import build_chat_tokenizer
+from arpo.testing.scripted_engine import build_chat_tokenizer
 from tools.base import BaseTool
 
 

@@ -14,7 +14,7 @@ from arpo.agent_loop import AgentLoopConfig, AgentLoopManager
 from arpo.agent_loop.arpo_agent_loop import ARPOAgentLoop
 from arpo.batch import DataBatch
 from arpo.engine.base import SamplingParams
-from arpo.engine.fake import ScriptedEngine, ScriptPolicy
+from arpo.testing.scripted_engine import ScriptedEngine, ScriptPolicy
 from arpo.rollout.arpo_rollout import ARPORollout, ARPORolloutConfig
 from tests.rollout.fake_tools import FakePython, FakeSearch
 from tests.rollout.test_arpo_rollout import check_invariants, rows

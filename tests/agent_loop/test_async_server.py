@@ -9,7 +9,7 @@ from arpo.agent_loop.async_server import AsyncEngineServer, build_engine
 from arpo.agent_loop.server_manager import ServerManager
 from arpo.engine.base import SamplingParams
 from tests.agent_loop.helpers import hermes_call
-from tests.agent_loop.scripted_engine import ScriptedEngine
+from arpo.testing.scripted_engine import ScriptedEngine
 
 REPO = str(Path(__file__).resolve().parents[2])
 SEARCH_TOOL = {"type": "function", "function": {
@@ -20,7 +20,7 @@ SEARCH_TOOL = {"type": "function", "function": {
 def test_openai_client_talks_to_the_in_process_endpoint(tokenizer):
     import openai
 
-    engine = ScriptedEngine(tokenizer, ["Paris is the capital.", hermes_call("search", query="Paris")])
+    engine = ScriptedEngine(tokenizer, replies=["Paris is the capital.", hermes_call("search", query="Paris")])
     server = AsyncEngineServer(engine, tokenizer=tokenizer, model_name="tiny")
 
     async def go():
@@ -49,16 +49,16 @@ def test_openai_client_talks_to_the_in_process_endpoint(tokenizer):
     assert [m.id for m in models.data] == ["tiny"]
     assert len(reply.choices) == 2 and reply.choices[0].message.content == "Paris is the capital."
     assert reply.choices[0].finish_reason == "stop"
-    prompt_ids = engine.calls[0][1]
+    prompt_ids = engine.requests[0].prompt_ids
     assert reply.usage.prompt_tokens == len(prompt_ids)
-    assert reply.usage.completion_tokens == 2 * len(engine.calls[0][2])
+    assert reply.usage.completion_tokens == 2 * len(engine.requests[0].output_ids)
     # the server applied the tokenizer's chat template to the messages
     assert tokenizer.decode(prompt_ids, skip_special_tokens=False) == tokenizer.apply_chat_template(
         [{"role": "user", "content": "capital of France?"}], add_generation_prompt=True, tokenize=False)
     assert called.choices[0].finish_reason == "tool_calls"
     (call,) = called.choices[0].message.tool_calls
     assert call.function.name == "search" and json.loads(call.function.arguments) == {"query": "Paris"}
-    assert "<tools>" in tokenizer.decode(engine.calls[-1][1])
+    assert "<tools>" in tokenizer.decode(engine.requests[-1].prompt_ids)
     assert server.address is None
 
 
@@ -67,7 +67,7 @@ def test_build_engine_accepts_instances_factories_and_paths(tokenizer):
     assert build_engine(engine) is engine
     built = build_engine(ScriptedEngine, {"tokenizer": tokenizer, "replies": ["x"]})
     assert built.replies == ["x"]
-    assert build_engine("tests.agent_loop.scripted_engine:ScriptedEngine", {"tokenizer": tokenizer}).replies == ["done"]
+    assert build_engine("arpo.testing.scripted_engine:ScriptedEngine", {"tokenizer": tokenizer}).replies is None
     with pytest.raises(ValueError, match="engine_kwargs"):
         build_engine(engine, {"x": 1})
     with pytest.raises(ValueError, match="FactoryName"):
@@ -91,7 +91,7 @@ def test_ray_actors_serve_tokens_and_chat_completions(ray_session, tokenizer_dir
     from arpo.agent_loop.async_server import launch_ray_servers
 
     ray = ray_session
-    handles = launch_ray_servers(2, "tests.agent_loop.scripted_engine:ScriptedEngine",
+    handles = launch_ray_servers(2, "arpo.testing.scripted_engine:ScriptedEngine",
                                  {"tokenizer": tokenizer_dir, "replies": ["from the actor"]},
                                  tokenizer=tokenizer_dir, model_name="tiny", num_cpus=0)
     manager = ServerManager(handles)

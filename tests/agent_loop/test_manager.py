@@ -7,13 +7,13 @@ from arpo.agent_loop.base import registered_names
 from arpo.batch import DataBatch
 from tests.agent_loop.conftest import EchoSearch
 from tests.agent_loop.helpers import hermes_call
-from tests.agent_loop.scripted_engine import ScriptedEngine, turn_index
+from arpo.testing.scripted_engine import ScriptedEngine, reply_turn
 
 
 def _policy(prompt_text: str, request_id: str) -> str:
     # Prompts about "long" take three tool turns, others answer at once: responses differ in length.
-    if "long" in prompt_text and turn_index(prompt_text) < 3:
-        return "thinking " + hermes_call("search", query=f"step {turn_index(prompt_text)}")
+    if "long" in prompt_text and reply_turn(prompt_text) < 3:
+        return "thinking " + hermes_call("search", query=f"step {reply_turn(prompt_text)}")
     return "\\boxed{1}"
 
 
@@ -39,14 +39,10 @@ def test_default_yaml_registers_every_loop():
 
 
 def test_generate_sequences_pads_like_the_rollout(tokenizer):
-    engines = [ScriptedEngine(tokenizer, policy=_policy, delay_s=0.01) for _ in range(2)]
+    engines = [ScriptedEngine(tokenizer, replies=_policy, latency_s=0.01) for _ in range(2)]
     manager = AgentLoopManager(engines, tokenizer, AgentLoopConfig.load(response_length=300), [EchoSearch()])
     try:
-        manager.wake_up()
         batch = manager.generate_sequences(_rows(), n=3)  # the blocking form, on the manager's loop thread
-        manager.update_weights("/tmp/new_weights")
-        manager.sleep()
-        assert all(e.weights_dir == "/tmp/new_weights" and e.sleeping for e in engines)
         again = manager.generate_sequences(DataBatch(non_tensors={
             k: np.array([r.get(k) for r in _rows()], dtype=object) for k in ("raw_prompt", "data_source")}), n=1)
     finally:

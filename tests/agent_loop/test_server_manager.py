@@ -93,9 +93,9 @@ def test_sticky_map_is_an_lru_of_configurable_size():
 
 
 def test_heap_stays_small_and_broadcast_reaches_every_server(tokenizer):
-    from tests.agent_loop.scripted_engine import ScriptedEngine
+    from arpo.testing.scripted_engine import ScriptedEngine
 
-    engines = [ScriptedEngine(tokenizer, ["hi"]) for _ in range(3)]
+    engines = [ScriptedEngine(tokenizer, replies=["hi"]) for _ in range(3)]
     manager = ServerManager(engines)
 
     async def go():
@@ -106,5 +106,5 @@ def test_heap_stays_small_and_broadcast_reaches_every_server(tokenizer):
 
     asyncio.run(go())
     assert len(manager._heap) <= 4 * 3 + 64
-    assert [e.weights_dir for e in engines] == ["/tmp/w"] * 3 and all(e.sleeping for e in engines)
+    assert [e.weights_dir for e in engines] == ["/tmp/w"] * 3 and all(e.asleep for e in engines)
     assert manager.session_server("s5") is None  # new weights: the prefix caches are gone

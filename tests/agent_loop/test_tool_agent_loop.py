@@ -8,29 +8,29 @@ from arpo.protocol import format_tool_result
 from tests.agent_loop.conftest import BrokenPython, EchoSearch
 from arpo.engine.base import SamplingParams
 from tests.agent_loop.helpers import USER, hermes_call, make_manager, run_loop, segments
-from tests.agent_loop.scripted_engine import ScriptedEngine
+from arpo.testing.scripted_engine import ScriptedEngine
 
 CALL = "Let me look it up. " + hermes_call("search", query="capital of France")
 ANSWER = "The answer is \\boxed{Paris}."
 
 
 def test_model_ids_are_exactly_the_engine_ids_and_each_turn_extends_the_last(tokenizer):
-    engine = ScriptedEngine(tokenizer, [CALL, CALL, ANSWER])
+    engine = ScriptedEngine(tokenizer, replies=[CALL, CALL, ANSWER])
     manager = make_manager(tokenizer, engine, [EchoSearch()])
     out = run_loop(manager)
     manager.close()
 
     assert out.finish_reason == "stop" and out.num_turns == 1 + 3 + 2
-    assert len(engine.calls) == 3
+    assert len(engine.requests) == 3
     # Every engine call saw the previous context unchanged: prompt ‖ response so far, never re-tokenised.
     full = out.prompt_ids + out.response_ids
-    for _, prompt, _ in engine.calls:
+    for prompt in (r.prompt_ids for r in engine.requests):
         assert full[: len(prompt)] == prompt
-    assert engine.calls[0][1] == out.prompt_ids
+    assert engine.requests[0].prompt_ids == out.prompt_ids
     # The model segments are exactly the engine outputs, in order; the rest are tool results.
     runs = segments(out.response_mask)
     model_runs = [out.response_ids[s:e] for v, s, e in runs if v == 1]
-    assert model_runs == [ids for _, _, ids in engine.calls]
+    assert model_runs == [r.output_ids for r in engine.requests]
     assert [v for v, _, _ in runs] == [1, 0, 1, 0, 1]
     assert out.response_ids[-1] == tokenizer.eos_token_id
     # Tool segments are the template's rendering of the tool message alone (no system prefix).
@@ -51,13 +51,13 @@ def test_model_ids_are_exactly_the_engine_ids_and_each_turn_extends_the_last(tok
 
 
 def test_a_turn_stopped_without_its_end_token_is_closed_before_the_tool_message(tokenizer):
-    engine = ScriptedEngine(tokenizer, [CALL + " and more", ANSWER])
+    engine = ScriptedEngine(tokenizer, replies=[CALL + " and more", ANSWER])
     manager = make_manager(tokenizer, engine, [EchoSearch()])
     cls_params = SamplingParams(max_tokens=400, stop=("</tool_call>",))
     out = run_loop(manager, params=cls_params)
     manager.close()
     (_, s, e), = [r for r in segments(out.response_mask) if r[0] == 0]
-    assert engine.calls[0][2][-1] != tokenizer.eos_token_id  # stopped on the stop string
+    assert engine.requests[0].output_ids[-1] != tokenizer.eos_token_id  # stopped on the stop string
     assert tokenizer.decode(out.response_ids[s:e], skip_special_tokens=False).startswith(
         "<|im_end|>\n<|im_start|>user\n<tool_response>")
 
@@ -69,19 +69,19 @@ def test_a_turn_stopped_without_its_end_token_is_closed_before_the_tool_message(
     ({"max_user_turns": 2, "max_assistant_turns": 5}, 3, 2, "max_user_turns"),
 ])
 def test_turn_limits_stop_after_a_model_turn(tokenizer, limits, engine_calls, user_turns, reason):
-    engine = ScriptedEngine(tokenizer, [CALL])  # the model never stops calling
+    engine = ScriptedEngine(tokenizer, replies=[CALL])  # the model never stops calling
     manager = make_manager(tokenizer, engine, [EchoSearch()], **limits)
     out = run_loop(manager)
     manager.close()
     assert out.finish_reason == reason
-    assert len(engine.calls) == engine_calls
+    assert len(engine.requests) == engine_calls
     assert sum(1 for v, _, _ in segments(out.response_mask) if v == 0) == user_turns
     assert out.num_turns == 1 + engine_calls + user_turns
     assert out.response_mask[-1] == 1  # the last turn is the model's
 
 
 def test_response_length_limit_never_ends_on_a_tool_result(tokenizer):
-    engine = ScriptedEngine(tokenizer, [CALL])
+    engine = ScriptedEngine(tokenizer, replies=[CALL])
     manager = make_manager(tokenizer, engine, [EchoSearch()], response_length=120)
     out = run_loop(manager)
     manager.close()
@@ -89,7 +89,7 @@ def test_response_length_limit_never_ends_on_a_tool_result(tokenizer):
     assert len(out.response_ids) <= 120 and out.response_mask[-1] == 1
     # every generate call was capped at what was left of the budget
     used = 0
-    for _, prompt, ids in engine.calls:
+    for prompt, ids in ((r.prompt_ids, r.output_ids) for r in engine.requests):
         used = len(prompt) - len(out.prompt_ids)
         assert used + len(ids) <= 120
 
@@ -97,7 +97,7 @@ def test_response_length_limit_never_ends_on_a_tool_result(tokenizer):
 @pytest.mark.parametrize("side", ["left", "right", "middle"])
 def test_tool_response_truncation_sides(tokenizer, side):
     tool = EchoSearch(pad=300)
-    engine = ScriptedEngine(tokenizer, [CALL, ANSWER])
+    engine = ScriptedEngine(tokenizer, replies=[CALL, ANSWER])
     manager = make_manager(tokenizer, engine, [tool], max_tool_response_length=40, tool_response_truncate_side=side)
     out = run_loop(manager)
     manager.close()
@@ -123,7 +123,7 @@ def test_truncation_keeps_short_text_and_rejects_unknown_side():
 def test_parallel_calls_run_concurrently_and_extra_calls_are_answered(tokenizer):
     tool = EchoSearch(latency_s=0.3)
     three = "".join(hermes_call("search", query=q) for q in ("a", "b", "c"))
-    engine = ScriptedEngine(tokenizer, [three, ANSWER])
+    engine = ScriptedEngine(tokenizer, replies=[three, ANSWER])
     manager = make_manager(tokenizer, engine, [tool], max_parallel_calls=2)
     start = time.perf_counter()
     out = run_loop(manager)
@@ -148,11 +148,11 @@ def test_parallel_calls_run_concurrently_and_extra_calls_are_answered(tokenizer)
     (hermes_call("python", code="1/0"), "tool 'python' failed: RuntimeError: sandbox exploded"),
 ])
 def test_malformed_calls_get_an_error_message_and_the_loop_goes_on(tokenizer, bad_turn, message):
-    engine = ScriptedEngine(tokenizer, [bad_turn, ANSWER])
+    engine = ScriptedEngine(tokenizer, replies=[bad_turn, ANSWER])
     manager = make_manager(tokenizer, engine, [EchoSearch(), BrokenPython()])
     out = run_loop(manager)
     manager.close()
-    assert len(engine.calls) == 2 and out.finish_reason == "stop"
+    assert len(engine.requests) == 2 and out.finish_reason == "stop"
     (_, s, e), = [r for r in segments(out.response_mask) if r[0] == 0]
     text = tokenizer.decode(out.response_ids[s:e], skip_special_tokens=False)
     assert "Error:" in text and message in text
@@ -160,7 +160,7 @@ def test_malformed_calls_get_an_error_message_and_the_loop_goes_on(tokenizer, ba
 
 
 def test_tool_timeout_becomes_text(tokenizer):
-    engine = ScriptedEngine(tokenizer, [CALL, ANSWER])
+    engine = ScriptedEngine(tokenizer, replies=[CALL, ANSWER])
     manager = make_manager(tokenizer, engine, [EchoSearch(latency_s=0.5)], tool_timeout_s=0.05)
     out = run_loop(manager)
     manager.close()
@@ -170,7 +170,7 @@ def test_tool_timeout_becomes_text(tokenizer):
 
 
 def test_arpo_tags_stop_on_close_tag_and_append_the_result_wrapper(tokenizer):
-    engine = ScriptedEngine(tokenizer, ["<think>hm</think><search>capital of France</search> junk after",
+    engine = ScriptedEngine(tokenizer, replies=["<think>hm</think><search>capital of France</search> junk after",
                                         "<answer>\\boxed{Paris}</answer>"])
     manager = make_manager(tokenizer, engine, [EchoSearch(), BrokenPython()], format="arpo_tags")
     out = run_loop(manager)
@@ -182,26 +182,26 @@ def test_arpo_tags_stop_on_close_tag_and_append_the_result_wrapper(tokenizer):
     result = out.response_ids[runs[1][1]:runs[1][2]]
     assert result == list(tokenizer.encode(format_tool_result("results for capital of France"),
                                            add_special_tokens=False))
-    assert [ids for _, _, ids in engine.calls] == [out.response_ids[s:e] for v, s, e in runs if v == 1]
+    assert [r.output_ids for r in engine.requests] == [out.response_ids[s:e] for v, s, e in runs if v == 1]
     assert out.finish_reason == "stop"
     # tag prompts carry no hermes tool schema
     assert "<tools>" not in tokenizer.decode(out.prompt_ids)
 
 
 def test_arpo_tags_malformed_close_without_open(tokenizer):
-    engine = ScriptedEngine(tokenizer, ["I will search now</search>", "<answer>\\boxed{1}</answer>"])
+    engine = ScriptedEngine(tokenizer, replies=["I will search now</search>", "<answer>\\boxed{1}</answer>"])
     manager = make_manager(tokenizer, engine, [EchoSearch()], format="arpo_tags")
     out = run_loop(manager)
     manager.close()
     (_, s, e), = [r for r in segments(out.response_mask) if r[0] == 0]
     assert "without a matching <search>" in tokenizer.decode(out.response_ids[s:e])
-    assert len(engine.calls) == 2
+    assert len(engine.requests) == 2
 
 
 def test_single_turn_loop(tokenizer):
-    engine = ScriptedEngine(tokenizer, [ANSWER])
+    engine = ScriptedEngine(tokenizer, replies=[ANSWER])
     manager = make_manager(tokenizer, engine, [EchoSearch()])
     out = run_loop(manager, name="single_turn_agent")
     manager.close()
-    assert out.response_ids == engine.calls[0][2] and set(out.response_mask) == {1}
+    assert out.response_ids == engine.requests[0].output_ids and set(out.response_mask) == {1}
     assert out.num_turns == 2 and "<tools>" not in tokenizer.decode(out.prompt_ids)

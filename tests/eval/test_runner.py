@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from arpo.engine.fake import ScriptedEngine, ScriptPolicy, ToyTokenizer
+from arpo.testing.scripted_engine import ScriptedEngine, ScriptPolicy, ToyTokenizer
 from arpo.evaluation.benchmarks import EvalItem
 from arpo.evaluation.records import SampleWriter, load_samples, samples_path
 from arpo.evaluation.runner import EvalRunner, Grader, SampleSpec

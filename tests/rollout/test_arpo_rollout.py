@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from arpo.batch import DataBatch
-from arpo.engine.fake import ScriptedEngine, ScriptPolicy, ToyTokenizer
+from arpo.testing.scripted_engine import ScriptedEngine, ScriptPolicy, ToyTokenizer
 from arpo.protocol import RESULT_CLOSE, TOOL_TAGS, format_tool_result
 from arpo.rollout.arpo_rollout import ARPORollout, ARPORolloutConfig, RolloutCall
 from tests.rollout.fake_tools import BrokenSearch, FakePython, FakeSearch
@@ -626,8 +626,7 @@ class FixedScriptEngine(ScriptedEngine):
         text = self.texts[min(n, len(self.texts) - 1)]
         assert text.startswith(emitted)
         ids = self.tokenizer.encode(text)[len(self.tokenizer.encode(emitted)):]
-        ends = "<answer>" in text
-        return ids + ([self.tokenizer.eos_token_id] if ends else []), ends
+        return ids + ([self.tokenizer.eos_token_id] if "<answer>" in text else [])
 
 
 def test_paper_probe_boundary_inside_a_multi_token_stop_string():

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from arpo.engine.base import GenerationEngine, SamplingParams
-from arpo.engine.fake import ScriptedEngine, ScriptPolicy, ToyTokenizer
+from arpo.testing.scripted_engine import ScriptedEngine, ScriptPolicy, ToyTokenizer
 from arpo.protocol import stop_strings
 
 STOPS = tuple(stop_strings())

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from arpo.engine.fake import ScriptedEngine
+from arpo.testing.scripted_engine import ScriptedEngine
 from arpo.trainer.ray_trainer import RayARPOTrainer
 
 

@@ -11,6 +11,11 @@ sampled token included, mass below 1 like a real top-k), and a simulated block p
 elsewhere, the shape ARPO's paper measured on real models. It also records every request and the peak
 number of requests in flight, so tests can check that callers batch their requests.
 
+A test that needs exact text instead gives ``replies``: the reply for each model turn of the conversation (the
+turn counts the assistant headers and tool results already in the prompt, so forks, retries and concurrent
+conversations stay deterministic; the last reply repeats), or a function of (prompt text, request id). The
+reply is tokenized, EOS appended, and cut by stops and ``max_tokens`` exactly as the policy's text is.
+
 :class:`ToyTokenizer` is the small tokenizer it speaks by default (Hugging Face-like ``encode``/``decode``/
 ``eos_token_id``/``pad_token_id``/``len``); any Hugging Face tokenizer can be passed instead.
 :func:`build_chat_tokenizer` builds one with a chat template, for the agent-loop path.
@@ -23,8 +28,9 @@ import hashlib
 import math
 import random
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -125,11 +131,28 @@ class ScriptPolicy:
 @dataclass
 class RequestRecord:
     request_id: str
-    prompt_len: int
+    prompt_ids: list[int]
     sampling_params: SamplingParams
-    output_len: int = 0
+    output_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     finish_reason: str = ""
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_len(self) -> int:
+        return len(self.output_ids)
+
+
+#: a reply per model turn (the last repeats), or a function (prompt text, request id) -> reply
+Replies = Sequence[str] | Callable[[str, str], str]
+
+
+def reply_turn(prompt_text: str) -> int:
+    """Model turns already taken in a prompt: assistant headers after the first (chat) plus tool results."""
+    return prompt_text.count("<|im_start|>assistant") - 1 + prompt_text.count(RESULT_OPEN)
 
 
 def _stable_seed(*parts) -> int:
@@ -147,9 +170,18 @@ class ScriptedEngine:
     """Deterministic fake :class:`~arpo.engine.base.GenerationEngine` (see the module docstring)."""
 
     def __init__(self, tokenizer=None, policy: ScriptPolicy | None = None, latency_s: float = 0.0,
-                 token_latency_s: float = 0.0, block_size: int = 16):
+                 token_latency_s: float = 0.0, block_size: int = 16, replies: Replies | None = None):
+        if policy is not None and replies is not None:
+            raise ValueError("ScriptedEngine: give a policy or replies, not both")
+        if isinstance(tokenizer, (str, Path)):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self.tokenizer = tokenizer if tokenizer is not None else ToyTokenizer()
         self.policy = policy or ScriptPolicy()
+        self.replies = replies
+        #: the last directory update_weights was given
+        self.weights_dir: str | None = None
         self.latency_s = latency_s
         #: extra delay per generated token: concurrent requests overlap, so a batch of requests costs about
         #: its longest one, as with continuous batching on an engine that is not compute-bound.
@@ -171,7 +203,7 @@ class ScriptedEngine:
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
         sampling_params.validate()
-        record = RequestRecord(request_id, len(prompt_ids), sampling_params)
+        record = RequestRecord(request_id, list(prompt_ids), sampling_params)
         self.requests.append(record)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -179,19 +211,20 @@ class ScriptedEngine:
             # Yield before answering, as a real engine does, so concurrent callers are really concurrent.
             await asyncio.sleep(self.latency_s)
             cached = self._lookup_prefix(prompt_ids)
-            out = self._generate(list(prompt_ids), sampling_params)
+            out = self._generate(list(prompt_ids), sampling_params, request_id)
             self._insert_prefix(list(prompt_ids) + out.token_ids)
             if self.token_latency_s:
                 await asyncio.sleep(self.token_latency_s * len(out.token_ids))
         finally:
             self.in_flight -= 1
         out.num_cached_tokens = cached
-        record.output_len, record.num_cached_tokens, record.finish_reason = \
-            len(out.token_ids), cached, out.finish_reason
+        record.output_ids, record.num_cached_tokens, record.finish_reason = \
+            list(out.token_ids), cached, out.finish_reason
         return out
 
     async def update_weights(self, weights_dir: str) -> None:
         # New weights change the policy; stale cache entries would be wrong, as with vLLM.
+        self.weights_dir = weights_dir
         self.weight_version += 1
         await self.reset_prefix_cache()
 
@@ -217,14 +250,25 @@ class ScriptedEngine:
             return random.Random(self._unseeded.getrandbits(64))
         return random.Random(_stable_seed(prompt_ids, params.seed, self.weight_version))
 
-    def _plan(self, context: str, rng: random.Random) -> tuple[list[int], bool]:
-        """Token ids the policy wants to write next, and whether they end with EOS."""
-        pol, tok = self.policy, self.tokenizer
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _reply(self, context: str, request_id: str) -> list[int]:
+        """The scripted reply's token ids, EOS appended."""
+        if callable(self.replies):
+            text = self.replies(context, request_id)
+        else:
+            text = self.replies[min(max(reply_turn(context), 0), len(self.replies) - 1)]
+        return self._encode(text) + [self.tokenizer.eos_token_id]
+
+    def _plan(self, context: str, rng: random.Random) -> list[int]:
+        """Token ids the policy wants to write next."""
+        pol, tok = self.policy, self._encode
         n_results = context.count(RESULT_OPEN)
         words = lambda lo, hi: "".join(rng.choice(_WORDS) for _ in range(rng.randint(lo, hi)))  # noqa: E731
         text = f"{THINK_OPEN}{words(*pol.think_words)} {THINK_CLOSE}"
         if rng.random() < pol.ramble_prob:
-            return tok.encode(text + words(400, 600)), False
+            return tok(text + words(400, 600))
         if pol.tools and rng.random() < pol.call_prob - pol.call_decay * n_results:
             name = rng.choice(pol.tools)
             open_tag, close_tag = TOOL_TAGS[name]
@@ -233,16 +277,16 @@ class ScriptedEngine:
                 open_tag = ""
             text += f" {open_tag}{body}{close_tag}"
             after = [rng.choice(_WORDS) for _ in range(pol.tokens_after_stop)]
-            return tok.encode(text) + tok.encode("".join(after)), False
+            return tok(text) + tok("".join(after))
         text += f" {ANSWER_OPEN} \\boxed{{{rng.randint(0, 99)}}} {ANSWER_CLOSE}"
-        return tok.encode(text) + [tok.eos_token_id], True
+        return tok(text) + [self.tokenizer.eos_token_id]
 
-    def _generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
+    def _generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> GenerationOutput:
         tok, pol = self.tokenizer, self.policy
         rng = self._rng(prompt_ids, params)
-        context = tok.decode(prompt_ids)
+        context = tok.decode(prompt_ids, skip_special_tokens=False)
         after_tool = context.rstrip().endswith(RESULT_CLOSE)
-        planned, _ = self._plan(context, rng)
+        planned = self._reply(context, request_id) if self.replies is not None else self._plan(context, rng)
         stop_ids = set(params.stop_token_ids)
         out_ids: list[int] = []
         logprobs: list[dict[int, float]] = []
