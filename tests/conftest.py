@@ -120,6 +120,14 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return _scope(nodeid)
 
+        def _reschedule(self, node) -> None:
+            # xdist queues the next module on a worker once its current one has 2 tests left; ours end with their
+            # longest tests (minutes), so the queued module would wait there while the other worker idles. One
+            # left is the least a worker needs (it runs a test only once it knows the next).
+            if not node.shutting_down and self.workqueue and self._pending_of(self.assigned_work[node]) > 1:
+                return
+            super()._reschedule(node)
+
     return ModuleScheduling(config, log)
 
 
