@@ -70,14 +70,18 @@ def require_path(value: str | None, key: str, fix: str, kind: str = "path") -> P
 
 
 def cli_main(fn: Callable[[], object]) -> None:
-    """Run an entry point; a ConfigError becomes one line on stderr and exit status 2. Both end without the
-    interpreter's final garbage collection (:mod:`arpo.fast_exit`: seconds per run); an unexpected exception
-    takes Python's usual path (traceback, status 1)."""
+    """Run an entry point; a ConfigError becomes one line on stderr and exit status 2.
+
+    Called from a program's ``__main__`` module, both end the process without the interpreter's final garbage
+    collection (:mod:`arpo.fast_exit`: seconds per run); called from other code (a test) it returns or raises
+    SystemExit as usual. An unexpected exception takes Python's usual path (traceback, status 1)."""
     from arpo.fast_exit import exit_now
 
+    as_program = sys._getframe(1).f_globals.get("__name__") == "__main__"
     try:
         fn()
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
-        exit_now(2)
-    exit_now(0)
+        exit_now(2) if as_program else sys.exit(2)
+    if as_program:
+        exit_now(0)
