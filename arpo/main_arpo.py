@@ -55,13 +55,9 @@ def validate_config(cfg: DictConfig) -> None:
     if arpo_cfg.n != r.n:
         raise ConfigError(f"actor_rollout_ref.rollout.arpo.n={arpo_cfg.n} differs from actor_rollout_ref.rollout.n="
                           f"{r.n}: the budget M is one number; set only actor_rollout_ref.rollout.n")
-    needed = ray_cpus_needed(cfg)
-    available = cfg.ray_init.num_cpus
-    if cfg.ray_init.address is None and available is not None and needed > available:
-        raise ConfigError(f"ray_init.num_cpus={available} is less than the {needed:g} CPUs the actors ask for "
-                          f"(trainer.n_gpus_per_node x trainer.cpus_per_worker per worker group, "
-                          f"{'actor + ref' if needs_reference(cfg) else 'actor'}, + 1 for the engine): "
-                          f"raise ray_init.num_cpus (logical CPUs may exceed the cores) or lower the others")
+    if cfg.ray_init.address is None and cfg.ray_init.num_cpus is not None:
+        require_cpus(cfg, cfg.ray_init.num_cpus, "ray_init.num_cpus gives",
+                     "raise ray_init.num_cpus (logical CPUs may exceed the cores) or lower the others")
     if arpo_cfg.max_response_length > cfg.data.max_response_length:
         raise ConfigError(f"actor_rollout_ref.rollout.arpo.max_response_length={arpo_cfg.max_response_length} exceeds "
                           f"data.max_response_length={cfg.data.max_response_length}")
@@ -78,19 +74,25 @@ def ray_cpus_needed(cfg: DictConfig) -> float:
     return groups * ranks * float(cfg.trainer.cpus_per_worker) + 1
 
 
+def require_cpus(cfg: DictConfig, have: float, where: str, fix: str) -> None:
+    """Ray would wait forever for an actor it cannot place: ``have`` CPUs (``where`` names them) must hold what the
+    actors ask for, else one config error."""
+    needed = ray_cpus_needed(cfg)
+    if needed > have:
+        raise ConfigError(f"{where} {have:g} CPUs, fewer than the {needed:g} the actors ask for (trainer.nnodes x "
+                          f"trainer.n_gpus_per_node x trainer.cpus_per_worker per worker group, "
+                          f"{'actor + ref' if needs_reference(cfg) else 'actor'}, + 1 for the engine): {fix}")
+
+
 def check_cluster_fits(cfg: DictConfig) -> None:
-    """A joined cluster (``ray_init.address``) must hold the CPUs the actors ask for; Ray would otherwise wait
-    forever for an actor it cannot place. A private cluster is sized by ``ray_init.num_cpus`` (validate_config)."""
+    """A joined cluster (``ray_init.address``) must hold the actors; a private one is sized by ``ray_init.num_cpus``
+    (validate_config)."""
     import ray
 
-    if cfg.ray_init.address is None:
-        return
-    needed, have = ray_cpus_needed(cfg), ray.cluster_resources().get("CPU", 0.0)
-    if needed > have:
-        raise ConfigError(f"the Ray cluster at ray_init.address={cfg.ray_init.address} has {have:g} CPUs, fewer than "
-                          f"the {needed:g} the actors ask for (trainer.nnodes x trainer.n_gpus_per_node x "
-                          f"trainer.cpus_per_worker per worker group, + 1 for the engine): add nodes to the cluster "
-                          f"or lower those keys")
+    if cfg.ray_init.address is not None:
+        require_cpus(cfg, ray.cluster_resources().get("CPU", 0.0),
+                     f"the Ray cluster at ray_init.address={cfg.ray_init.address} has",
+                     "add nodes to the cluster or lower those keys")
 
 
 def build_trainer(cfg: DictConfig):

@@ -14,8 +14,8 @@ import logging
 import multiprocessing
 
 from arpo.engine.config import default_device
-from arpo.fast_exit import exit_now
 from arpo.engine.vllm_cpu_patches import use_eager_logprob_rank
+from arpo.fast_exit import exit_now
 
 # vLLM imports this module in every worker process: an engine core in its own process gets the CPU fix too.
 if default_device() == "cpu":
