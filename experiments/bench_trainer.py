@@ -21,6 +21,10 @@ workers' output go to stderr.
     ... --on-policy                                           # no old-log-prob pass (one mini-batch, 1 epoch)
     ... --set actor_rollout_ref.model.dtype=float32           # any config key (YAML-typed value)
     ... --system 105 --set actor_rollout_ref.model.share_prefix=false   # a shared system prompt, run per row
+    ... --trees experiments/results/smollm2_advantage/rollouts/arpo_soft.jsonl --prompt-len 200 \
+        --set actor_rollout_ref.model.tree_packing=true|false
+        # ARPO trees: each group's shape (forks, lengths, tool results) from a rollout dump, random token ids;
+        # reports the batch's packed (unique) and total tokens
     python experiments/bench_trainer.py --model /tmp/smollm2-hf --numerics --text README.md --rows 4 \
         --prompt-len 150 --response-len 400 --sample 400
         # bf16 autocast vs fp32 on one process, on responses sampled from the model: log-prob / entropy
@@ -111,6 +115,42 @@ def text_batch(model: Path, text_file: Path, rows: int, prompt_len: tuple[int, i
     return batch
 
 
+def tree_dump_batch(path: Path, rows: int, prompt_len: int, vocab: int, seed: int):
+    """The first whole groups (at least ``rows`` rows) of a rollout dump, on their recorded trees: forks, response
+    lengths and tool-result positions (a token without entropy); token ids random, a ``prompt_len``-token
+    prompt per group (dumps do not record prompts)."""
+    from experiments.bench_tree_packing import load_trees, tree_tokens
+
+    trajs, group_size = [], 0
+    for g, tree in enumerate(load_trees(path)):
+        if len(trajs) >= rows:
+            break
+        prompt, responses, parent, branch_pos = tree_tokens(tree, prompt_len, vocab, seed=seed + g)
+        first, group_size = len(trajs), max(group_size, len(tree))
+        for row, response, p, bp in zip(tree, responses, parent, branch_pos):
+            t = Trajectory(group=g, prompt_ids=prompt, parent=first + p if p >= 0 else -1, branch_pos=bp)
+            t.response_ids = response
+            t.response_mask = [0 if e is None else 1 for e in row["token_entropy"]][: len(response)]
+            trajs.append(t)
+    batch = collate_trajectories(trajs, pad_token_id=0, group_uids=[f"g{i}" for i in range(trajs[-1].group + 1)])
+    width = batch["responses"].shape[1]
+    g = torch.Generator().manual_seed(seed)
+    batch.tensors["advantages"] = torch.randn(len(batch), 1, generator=g).expand(-1, width) * batch["response_mask"]
+    batch.meta["group_size"] = group_size
+    return batch
+
+
+def token_counts(batch) -> dict:
+    """Total tokens of the batch's rows, and the tokens once each group's tree is packed."""
+    from arpo.trainer.tree_packing import tree_columns, tree_micro_batches, unique_token_count
+
+    trees = batch.index(slice(0, len(batch)))
+    trees.tensors.update(tree_columns(batch))
+    unique = sum(unique_token_count(trees, t.tolist()) for t in tree_micro_batches(trees))
+    total = int(batch["attention_mask"].sum())
+    return {"total_tokens": total, "packed_tokens": unique, "packed_over_total": round(unique / total, 4)}
+
+
 def sampled_batch(model, batch, response_len: int, seed: int):
     """``batch``'s prompts with responses sampled from ``model`` (temperature 1): on-policy tokens, mostly
     likely ones, which is what a rollout hands the trainer (text windows are far less likely)."""
@@ -187,17 +227,18 @@ def _set(cfg: dict, dotted: str, value) -> None:
 def config(model: Path, ranks: int, cpus_per_rank: float, micro: int, args) -> dict:
     import yaml
 
+    n = args.group_size
     cfg = {
         "trainer": {"device": args.device, "nnodes": 1, "n_gpus_per_node": ranks, "cpus_per_worker": cpus_per_rank},
-        "data": {"train_batch_size": args.rows // 2},
+        "data": {"train_batch_size": args.rows // n},
         "actor_rollout_ref": {
             # configs/trainer/actor.yaml's defaults; --set overrides them.
             "model": {"path": str(model), "dtype": "bfloat16", "enable_gradient_checkpointing": True},
             # One mini-batch of all rows: the on-policy case ARPO's configs run.
-            "actor": {"ppo_mini_batch_size": args.rows // 2, "ppo_micro_batch_size_per_gpu": micro,
+            "actor": {"ppo_mini_batch_size": args.rows // n, "ppo_micro_batch_size_per_gpu": micro,
                       "ppo_epochs": 1, "grad_clip": 1.0, "loss_agg_mode": "token-mean", "use_kl_loss": False,
                       "entropy_coeff": 0.0, "clip_ratio": 0.2, "optim": {"lr": 1e-5}},
-            "rollout": {"n": 2, "log_prob_micro_batch_size_per_gpu": micro},
+            "rollout": {"n": n, "log_prob_micro_batch_size_per_gpu": micro},
         },
     }
     for item in args.set:
@@ -277,6 +318,8 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     p.add_argument("--numerics", action="store_true", help="bf16 autocast vs fp32 on one process, then exit")
     p.add_argument("--text", type=Path, default=None, help="build rows from this text file (real tokens)")
+    p.add_argument("--trees", type=Path, default=None, help="rollout dump (JSONL): rows on its groups' trees; "
+                   "--rows is rounded up to whole groups, the first of --prompt-len is the prompt length")
     p.add_argument("--chunk", type=int, default=256, help="logprob_chunk_size for --numerics")
     p.add_argument("--sample", type=int, default=0, metavar="TOKENS",
                    help="--numerics: sample this many response tokens from the model (on-policy tokens)")
@@ -296,7 +339,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         model = args.model or build_default_model(Path(work))
         vocab = AutoConfig.from_pretrained(str(model)).vocab_size
-        if args.text:
+        args.group_size = 2
+        if args.trees:
+            batch = tree_dump_batch(args.trees, args.rows, args.prompt_len[0], min(vocab, 2000), seed=0)
+            args.rows, args.group_size = len(batch), batch.meta["group_size"]
+        elif args.text:
             batch = text_batch(model, args.text, args.rows, args.prompt_len, args.response_len, seed=0)
         else:
             batch = make_batch(args.rows, args.prompt_len, args.response_len, min(vocab, 2000), seed=0,
@@ -330,7 +377,8 @@ def main() -> None:
     print(json.dumps({
         "bench": "trainer_step", "device": args.device, "model": str(args.model or "tiny (built)"),
         "rows": args.rows, "prompt_len": list(args.prompt_len), "system": args.system,
-        "response_len": list(args.response_len),
+        "response_len": list(args.response_len), "trees": str(args.trees) if args.trees else None,
+        **token_counts(batch),
         "on_policy": args.on_policy, "overrides": args.set, "timed_steps": args.steps, "warmup_steps": args.warmup,
         "cpu_count": os.cpu_count(), "results": results,
     }, indent=2), file=out, flush=True)

@@ -109,9 +109,10 @@ def validate_actor_config(cfg: Any) -> None:
     if not isinstance(checkpointing, bool):
         raise ConfigError(f"actor_rollout_ref.model.enable_gradient_checkpointing must be true or false, "
                           f"got {checkpointing!r}")
-    share_prefix = cfg_get(cfg, "actor_rollout_ref.model.share_prefix", True)
-    if not isinstance(share_prefix, bool):
-        raise ConfigError(f"actor_rollout_ref.model.share_prefix must be true or false, got {share_prefix!r}")
+    for key in ("share_prefix", "tree_packing"):
+        value = cfg_get(cfg, f"actor_rollout_ref.model.{key}", True)
+        if not isinstance(value, bool):
+            raise ConfigError(f"actor_rollout_ref.model.{key} must be true or false, got {value!r}")
     strategy = cfg_get(cfg, "actor_rollout_ref.actor.strategy", "fsdp2")
     if strategy != "fsdp2":
         raise ConfigError(f"actor_rollout_ref.actor.strategy={strategy!r}: only fsdp2 is supported "

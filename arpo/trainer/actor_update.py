@@ -54,6 +54,15 @@ def micro_batch_order(attention_mask: torch.Tensor) -> torch.Tensor:
     return torch.argsort(attention_mask.sum(dim=1), descending=True, stable=True)
 
 
+def mini_batch_indices(batch: DataBatch, mini_rows: int) -> list[torch.Tensor]:
+    """Row indices of each PPO mini-batch of this rank's share: by ``mini_batch_id`` when the worker group dealt
+    whole trees (shares of uneven size), else consecutive runs of ``mini_rows`` rows."""
+    if "mini_batch_id" in batch.tensors:
+        ids = batch["mini_batch_id"]
+        return [(ids == i).nonzero()[:, 0] for i in torch.unique(ids).tolist()]
+    return [torch.arange(len(batch))[sl] for sl in split_rows(len(batch), mini_rows)]
+
+
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -75,7 +84,8 @@ def ppo_update(worker: "ActorWorker", batch: DataBatch) -> dict[str, float]:
     mini_rows = int(batch.meta.get("mini_batch_rows_per_rank",
                                    max(1, mini_batch_rows(worker.config) // worker.world_size)))
     epochs = int(actor("ppo_epochs", 1))
-    on_policy = epochs == 1 and len(batch) <= mini_rows
+    minis = mini_batch_indices(batch, mini_rows)
+    on_policy = epochs == 1 and len(minis) == 1
     has_old = "old_log_probs" in batch.tensors
     needed = ["responses", "input_ids", "attention_mask", "position_ids", "response_mask", "advantages"]
     use_kl = bool(actor("use_kl_loss", False))
@@ -108,10 +118,8 @@ def ppo_update(worker: "ActorWorker", batch: DataBatch) -> dict[str, float]:
     sums: dict[str, float] = {k: 0.0 for k in METRIC_KEYS}
     n_updates = 0
     for _ in range(epochs):
-        for mb_slice in split_rows(len(batch), mini_rows):
-            mb = batch.index(mb_slice)
-            if worker.settings.fast_layout:  # fp32 sums in the order one process would (device.py)
-                mb = mb.index(micro_batch_order(mb["attention_mask"]))
+        for mb_rows in minis:
+            mb = batch.index(mb_rows)
             resp_mask = mb["response_mask"].float()
             if "is_pad" in mb.tensors:
                 resp_mask = resp_mask * (1 - mb["is_pad"].float()).unsqueeze(-1)
@@ -122,7 +130,13 @@ def ppo_update(worker: "ActorWorker", batch: DataBatch) -> dict[str, float]:
             worker.optimizer.zero_grad(set_to_none=True)
             # [pg_loss, kl_loss, clipfrac·tok, ppo_kl·tok, clipfrac_lower·tok, entropy·tok]
             local = torch.zeros(6, dtype=torch.float64)
-            for sl in split_rows(len(mb), micro_size):
+            micros = worker.micro_batches(mb, micro_size)
+            for i in range(worker.micro_batch_count(micros)):
+                if i >= len(micros):  # this rank has fewer trees than another: join its collectives
+                    lp, _ = worker.forward(worker.dummy_micro_batch(mb), temperature, False)
+                    (lp.sum() * 0.0).backward()
+                    continue
+                sl = micros[i]
                 micro = mb.index(sl)
                 mask = resp_mask[sl].to(dev)
                 n_tok = float(mask.sum())

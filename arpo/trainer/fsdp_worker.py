@@ -28,6 +28,7 @@ from arpo.trainer.actor_update import METRIC_KEYS, full_tensor, micro_batch_orde
 from arpo.trainer.device import cpu_has_native_bf16, device_settings_from_config
 from arpo.trainer.logprobs import DEFAULT_CHUNK_SIZE, compute_logprobs_and_entropy
 from arpo.trainer.memory import configure_allocator, memory_stats, release_memory
+from arpo.trainer.tree_packing import pack_micro_batch, packed_logprobs_and_entropy, tree_micro_batches
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,8 @@ class ActorWorker:
         self.settings = device_settings_from_config(config)
         # the tokens every row of a micro-batch begins with (the system prompt) run once; fast layout only
         self.share_prefix = bool(cfg_get(config, "actor_rollout_ref.model.share_prefix", True))
+        # a prompt group's tree as one sequence (tree_packing.py), when the worker group sends the tree columns
+        self.tree_packing = bool(cfg_get(config, "actor_rollout_ref.model.tree_packing", True))
         self.model: Any = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -187,21 +190,61 @@ class ActorWorker:
     def temperature(self, batch: DataBatch) -> float:
         return float(batch.meta.get("temperature", rollout_temperature(self.config)))
 
+    def packs_trees(self, batch: DataBatch) -> bool:
+        return self.tree_packing and "tree_id" in batch.tensors
+
+    def micro_batches(self, batch: DataBatch, micro_size: int) -> list[torch.Tensor]:
+        """Row indices of each micro-batch: one tree each when packing trees (pad rows left out), else
+        ``micro_size`` rows (of similar length in the fast layout)."""
+        if self.packs_trees(batch):
+            return tree_micro_batches(batch)
+        order = (micro_batch_order(batch["attention_mask"]) if self.settings.fast_layout
+                 else torch.arange(len(batch)))
+        return [order[sl] for sl in split_rows(len(batch), micro_size)]
+
+    def micro_batch_count(self, micros: list[torch.Tensor]) -> int:
+        """The most micro-batches any rank has: every forward and backward is a collective (FSDP2 gathers and
+        reduces per call), so a rank with fewer trees runs :meth:`dummy_micro_batch` for the rest."""
+        if self.world_size == 1:
+            return len(micros)
+        t = torch.tensor([len(micros)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    @staticmethod
+    def dummy_micro_batch(batch: DataBatch) -> DataBatch:
+        """The first row cut to its prompt and first response token: a forward (and a zero-loss backward) that
+        joins the other ranks' collectives and changes nothing."""
+        d = batch.index([0])
+        width = d["responses"].shape[1]
+        attn = d["attention_mask"].clone()
+        attn[0, -width:] = 0
+        attn[0, -width] = 1
+        return DataBatch({**d.tensors, "attention_mask": attn, "response_mask": attn[:, -width:].clone(),
+                          "position_ids": torch.clamp(torch.cumsum(attn, dim=1) - 1, min=0)}, {}, dict(d.meta))
+
     def forward(self, micro: DataBatch, temperature: float, calc_entropy: bool, entropy_grad: bool = True,
                 head_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(log-probs, entropy or None) of ``micro``'s responses, (B, R) each, in the compute dtype's autocast
         (CPU bf16) with the output head's forward in fp32. ``entropy_grad=False``: entropy as a metric only;
-        ``head_mask``: only these positions are needed (0 elsewhere)."""
+        ``head_mask``: only these positions are needed (0 elsewhere). A micro-batch of one tree runs packed."""
         dev = self.device
         chunk = int(cfg_get(self.config, "actor_rollout_ref.actor.logprob_chunk_size", DEFAULT_CHUNK_SIZE))
         fast = self.settings.fast_layout  # fp32: laid out as one process runs the batch (device.py)
+        trees = self.packs_trees(micro)
+        group = pack_micro_batch(micro) if trees else None
+        head_mask = head_mask.to(dev) if fast and head_mask is not None else None
         with self.settings.autocast_context():
+            if group is not None:
+                return packed_logprobs_and_entropy(
+                    self.model, group, micro["responses"].shape[1], head_mask, chunk, temperature, calc_entropy,
+                    entropy_grad)
+            # one forward per micro-batch when packing trees: a shared-prefix pass would be a second collective
             return compute_logprobs_and_entropy(
                 self.model, micro["input_ids"].to(dev), micro["attention_mask"].to(dev),
                 micro["position_ids"].to(dev), response_length=micro["responses"].shape[1], chunk_size=chunk,
                 temperature=temperature, calc_entropy=calc_entropy, entropy_grad=entropy_grad, pack=fast,
-                head_mask=head_mask.to(dev) if fast and head_mask is not None else None,
-                share_prefix=fast and self.share_prefix)
+                head_mask=head_mask, share_prefix=fast and self.share_prefix and not trees)
 
     def compute_log_prob(self, batch: DataBatch, calc_entropy: bool | None = None) -> dict[str, torch.Tensor]:
         """Log-probs of ``responses`` under this rank's model (no grad), micro-batched, for this rank's rows:
@@ -215,22 +258,23 @@ class ActorWorker:
         temperature = self.temperature(batch)
         was_training = self.model.training
         self.model.eval()
-        order = (micro_batch_order(batch["attention_mask"]) if self.settings.fast_layout
-                 else torch.arange(len(batch)))
-        ordered = batch.index(order)
-        logps, ents = [], []
-        with torch.no_grad():
-            for sl in split_rows(len(batch), micro):
-                lp, ent = self.forward(ordered.index(sl), temperature, calc_entropy)
-                logps.append(lp.cpu())
-                if calc_entropy:
-                    ents.append(ent.cpu())
-        self.model.train(was_training)
         width = batch["responses"].shape[1]
-        inverse = torch.argsort(order)
-        out = {"log_probs": torch.cat(logps)[inverse] if logps else torch.zeros(0, width)}
+        logps = torch.zeros(len(batch), width)
+        ents = torch.zeros(len(batch), width) if calc_entropy else None
+        micros = self.micro_batches(batch, micro)
+        with torch.no_grad():
+            for i in range(self.micro_batch_count(micros)):
+                if i >= len(micros):
+                    self.forward(self.dummy_micro_batch(batch), temperature, False)
+                    continue
+                lp, ent = self.forward(batch.index(micros[i]), temperature, calc_entropy)
+                logps[micros[i]] = lp.cpu()
+                if calc_entropy:
+                    ents[micros[i]] = ent.cpu()
+        self.model.train(was_training)
+        out = {"log_probs": logps}
         if calc_entropy:
-            out["entropy"] = torch.cat(ents)[inverse] if ents else torch.zeros(0, width)
+            out["entropy"] = ents
         release_memory()
         return out
 

@@ -103,7 +103,7 @@ def _head_chunk(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, tem
     return logp, ent
 
 
-class _ChunkedResponseHead(nn.Module):
+class ChunkedResponseHead(nn.Module):
     """Stands in for a causal LM's output head during one forward: instead of logits it returns a (B, R, 2)
     tensor of [log-prob of the response token, entropy] for ``labels`` (B, R), where ``sources`` (B, R)
     is the column whose hidden state predicts each of them.
@@ -298,7 +298,7 @@ def compute_logprobs_and_entropy(
     if prefix:
         cache, readers, anchor = _prefix_cache(model, head, input_ids[:1, :prefix], position_ids[:1, :prefix])
         input_ids, position_ids, sources = input_ids[:, prefix:], position_ids[:, prefix:], sources - prefix
-    model.lm_head = _ChunkedResponseHead(head, labels, valid, sources, chunk_size, temperature, calc_entropy,
+    model.lm_head = ChunkedResponseHead(head, labels, valid, sources, chunk_size, temperature, calc_entropy,
                                          entropy_grad, head_fp32)
     for m in readers:  # the frozen prefix is read, never written: safe to replay under checkpointing
         m._can_checkpoint_with_cache = True

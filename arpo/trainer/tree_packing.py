@@ -8,18 +8,30 @@ there, so each token's hidden state (and log-prob) is the unpacked one. Per-row 
 from the packed tokens, so any loss over rows (soft or hard advantage, clipping, KL) is unchanged; gradients of
 a shared token sum over the rows sharing it, as they would unpacked.
 
+In the actor (``actor_rollout_ref.model.tree_packing``) a micro-batch is one tree: the rows of a rank's share
+with the same ``tree_id`` (the prompt group) and the same prompt, packed and run in one forward. A row whose
+parent is not in the micro-batch (the tree was split) is packed as a root: less sharing, the same result.
+
 The mask is dense (tokens x tokens) here: right for the CPU-sized groups this repository trains; FlexAttention
 block masks are the way to 30k-token groups.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
-from arpo.trainer.logprobs import DEFAULT_CHUNK_SIZE, logprobs_from_logits
+from arpo.batch import DataBatch
+from arpo.trainer.logprobs import DEFAULT_CHUNK_SIZE, ChunkedResponseHead
+
+logger = logging.getLogger(__name__)
+
+#: tensor columns the worker group adds for the ranks: group id, row id in the batch, parent's row id, fork point
+TREE_COLUMNS = ("tree_id", "tree_row", "tree_parent", "tree_branch_pos")
 
 
 @dataclass
@@ -87,18 +99,122 @@ def pack_group(prompt_ids: list[int], responses: list[list[int]], parent: list[i
                        pred, row_index, p_len)
 
 
+def tree_columns(batch: DataBatch) -> dict[str, torch.Tensor]:
+    """:data:`TREE_COLUMNS` from a collated batch's ``group_index`` / ``parent_index`` / ``branch_pos`` (a batch
+    without them: every row its own group, a root). Row ids are positions in ``batch``, so they survive any
+    reordering and splitting of the rows."""
+    n = len(batch)
+    nt = batch.non_tensors
+    col = lambda key, default: torch.as_tensor(np.asarray(nt[key], dtype=np.int64)) if key in nt else default  # noqa: E731
+    return {"tree_id": col("group_index", torch.arange(n)), "tree_row": torch.arange(n),
+            "tree_parent": col("parent_index", torch.full((n,), -1, dtype=torch.long)),
+            "tree_branch_pos": col("branch_pos", torch.zeros(n, dtype=torch.long))}
+
+
+def _prompt_key(batch: DataBatch, row: int) -> tuple[int, ...]:
+    width = batch["input_ids"].shape[1] - batch["responses"].shape[1]
+    return tuple(batch["input_ids"][row, :width][batch["attention_mask"][row, :width].bool()].tolist())
+
+
+def tree_micro_batches(batch: DataBatch) -> list[torch.Tensor]:
+    """Row indices of each tree in ``batch`` (rows with the same ``tree_id`` and prompt), pad rows left out, in
+    order of first appearance: the packed layout's micro-batches."""
+    pads = batch["is_pad"].bool().tolist() if "is_pad" in batch.tensors else [False] * len(batch)
+    trees: dict[tuple, list[int]] = {}
+    for i, tree in enumerate(batch["tree_id"].tolist()):
+        if not pads[i]:
+            trees.setdefault((tree, _prompt_key(batch, i)), []).append(i)
+    return [torch.tensor(rows, dtype=torch.long) for rows in trees.values()]
+
+
+def unique_token_count(batch: DataBatch, rows: list[int]) -> int:
+    """Tokens of ``rows`` (one tree) once packed: the longest prompt, then each row's response after its fork
+    from a parent among ``rows``."""
+    width = batch["responses"].shape[1]
+    attn = batch["attention_mask"]
+    present = {int(batch["tree_row"][i]) for i in rows}
+    total = max(int(attn[i, :-width].sum()) for i in rows)
+    for i in rows:
+        shared = int(batch["tree_branch_pos"][i]) if int(batch["tree_parent"][i]) in present else 0
+        total += max(0, int(attn[i, -width:].sum()) - shared)
+    return total
+
+
+def pack_micro_batch(micro: DataBatch) -> PackedGroup | None:
+    """The rows of ``micro`` (one tree, one prompt) packed, or None when they are not in the collated layout
+    the packing assumes (a row's tokens not contiguous, positions not counting from 0)."""
+    width = micro["responses"].shape[1]
+    attn, pos = micro["attention_mask"].bool(), micro["position_ids"]
+    prompt = _prompt_key(micro, 0)
+    row_of = {int(r): i for i, r in enumerate(micro["tree_row"].tolist())}
+    responses, parent, branch_pos = [], [], []
+    for i in range(len(micro)):
+        real = attn[i].nonzero()[:, 0]
+        n_resp = int(attn[i, -width:].sum())
+        if (real.numel() and int(real[-1] - real[0]) + 1 != real.numel()) or _prompt_key(micro, i) != prompt \
+                or not torch.equal(pos[i, real], torch.arange(real.numel())) or (n_resp and not attn[i, -width]):
+            return None
+        responses.append(micro["responses"][i, :n_resp].tolist())
+    for i in range(len(micro)):
+        p = row_of.get(int(micro["tree_parent"][i]), -1)
+        bp = int(micro["tree_branch_pos"][i]) if p >= 0 else 0
+        if p >= 0 and (bp > len(responses[p]) or responses[i][:bp] != responses[p][:bp]):
+            logger.warning("tree packing: row %d does not share its first %d tokens with its parent; packed as "
+                           "a root", int(micro["tree_row"][i]), bp)
+            p, bp = -1, 0
+        parent.append(p)
+        branch_pos.append(bp)
+    return pack_group(list(prompt), responses, parent, branch_pos)
+
+
+def _attention_mask(model: nn.Module, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The tree mask as the model's attention takes a 4-D mask: boolean for sdpa, additive otherwise."""
+    if getattr(model.config, "_attn_implementation", "sdpa") == "sdpa":
+        return allowed[None, None]
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def packed_logprobs_and_entropy(model: nn.Module, group: PackedGroup, response_length: int,
+                                head_mask: torch.Tensor | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                                temperature: float = 1.0, calc_entropy: bool = False, entropy_grad: bool = True,
+                                head_fp32: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`arpo.trainer.logprobs.compute_logprobs_and_entropy` for one packed group: (log-probs, entropy or
+    None), (rows, ``response_length``) each, from one forward. A packed token shared by several rows is
+    projected to the vocabulary once; ``head_mask`` (rows, ``response_length``) limits that projection to
+    tokens some row needs (0 elsewhere)."""
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no lm_head; pass a causal LM (e.g. Qwen2ForCausalLM)")
+    dev = next(model.parameters()).device
+    rows, width = group.row_index.shape
+    if width > response_length:
+        raise ValueError(f"a packed row has {width} response tokens, more than response_length={response_length}")
+    row_index = group.row_index.to(dev)
+    in_row = row_index >= 0
+    if head_mask is not None:
+        in_row = in_row & head_mask[:, :width].bool().to(dev)
+    response = torch.arange(group.prompt_len, group.unique_tokens, device=dev)
+    slot = (row_index - group.prompt_len).clamp(min=0)
+    needed = torch.zeros(response.numel(), dtype=torch.bool, device=dev)
+    needed[slot[in_row]] = True
+    ids = group.input_ids.to(dev)
+    chunked = ChunkedResponseHead(head, ids[response][None], needed[None], group.pred_index.to(dev)[response][None],
+                                  chunk_size, temperature, calc_entropy, entropy_grad, head_fp32)
+    model.lm_head = chunked
+    try:
+        out = model(input_ids=ids[None], attention_mask=_attention_mask(model, group.allowed.to(dev), torch.float32),
+                    position_ids=group.position_ids.to(dev)[None], use_cache=False)
+    finally:
+        model.lm_head = head
+    packed = (out.logits if hasattr(out, "logits") else out[0])[0]  # (response tokens, [log-prob, entropy])
+    per_row = torch.where(in_row[..., None], packed[slot], torch.zeros((), dtype=packed.dtype, device=dev))
+    per_row = torch.nn.functional.pad(per_row, (0, 0, 0, response_length - width))
+    return per_row[..., 0], (per_row[..., 1] if calc_entropy else None)
+
+
 def packed_response_logprobs(model: nn.Module, group: PackedGroup, temperature: float = 1.0,
                              chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
     """Log-probs (rows, T) of each row's response tokens from one forward over the packed group (0 past a row's
     end); equal to the unpacked forward's up to float rounding."""
-    neg = torch.finfo(torch.float32).min
-    mask = torch.zeros(group.allowed.shape, dtype=torch.float32).masked_fill(~group.allowed, neg)
-    out = model(input_ids=group.input_ids[None], attention_mask=mask[None, None],
-                position_ids=group.position_ids[None], use_cache=False)
-    logits = out.logits[0]
-    response = torch.arange(group.prompt_len, group.unique_tokens)
-    scored = logits[group.pred_index[response]].float() / temperature
-    token_logp = logprobs_from_logits(scored, group.input_ids[response], chunk_size)
-    # packed response token q is row_index value q; its log-prob sits at q - prompt_len
-    safe = (group.row_index - group.prompt_len).clamp(min=0)
-    return torch.where(group.row_index >= 0, token_logp[safe], torch.zeros((), dtype=token_logp.dtype))
+    width = group.row_index.shape[1]
+    return packed_logprobs_and_entropy(model, group, width, chunk_size=chunk_size, temperature=temperature)[0]

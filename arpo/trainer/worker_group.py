@@ -11,6 +11,8 @@ A mini-batch (or batch) that does not split evenly is padded with copies of its 
 get rows dealt by length (``balance``; fp32 keeps one process's order, see DeviceSettings.fast_layout):
 every collective waits for the slowest rank, so each rank's i-th micro-batch should cost about the same;
 the loss is a sum over rows, so which rank holds a row changes the update only by rounding.
+With tree packing (``actor_rollout_ref.model.tree_packing``) whole prompt groups are dealt instead, balanced by
+their packed tokens (:func:`split_trees_for_ranks`), so that a tree is never split over ranks.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from arpo.batch import DataBatch
 from arpo.trainer.actor_config import cfg_get, mini_batch_rows, to_plain, world_size as config_world_size
 from arpo.trainer.memory import allocator_env
+from arpo.trainer.tree_packing import tree_columns, tree_micro_batches, unique_token_count
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +85,36 @@ def split_for_ranks(batch: DataBatch, world_size: int, mini_batch_rows: int | No
         for r, chunk in enumerate(mb.chunk(world_size)):
             pieces[r].append(chunk)
     return [DataBatch.concat(p) for p in pieces], per_rank
+
+
+def split_trees_for_ranks(batch: DataBatch, world_size: int, mini_batch_rows: int | None = None) -> list[DataBatch]:
+    """Per-rank shares of ``batch`` (which carries :data:`~arpo.trainer.tree_packing.TREE_COLUMNS`) made of whole
+    trees: within each mini-batch (``mini_batch_rows`` consecutive rows, or the whole batch), trees go largest
+    first to the rank with the fewest packed tokens so far. Shares differ in size; every row carries
+    ``mini_batch_id`` and ``row_index`` (its place in ``batch``, for :func:`gather_rows`), and a rank that gets
+    no tree in a mini-batch gets one pad row (``is_pad`` = 1) so that it still takes part in it."""
+    if len(batch) == 0:
+        raise ValueError("cannot split an empty batch over the training ranks")
+    size = mini_batch_rows or len(batch)
+    pieces: list[list[DataBatch]] = [[] for _ in range(world_size)]
+    for mb_id, start in enumerate(range(0, len(batch), size)):
+        rows = torch.arange(start, min(len(batch), start + size))
+        mb = batch.index(rows)
+        mb.tensors["is_pad"] = mb["is_pad"] if "is_pad" in mb.tensors else torch.zeros(len(mb), dtype=torch.long)
+        trees = tree_micro_batches(mb)
+        loads, dealt = [0] * world_size, [[] for _ in range(world_size)]
+        for tree in sorted(trees, key=lambda t: -unique_token_count(mb, t.tolist())):
+            rank = loads.index(min(loads))
+            loads[rank] += unique_token_count(mb, tree.tolist())
+            dealt[rank].extend(tree.tolist())
+        for rank in range(world_size):
+            chosen = sorted(dealt[rank]) or [len(mb) - 1]
+            share = mb.index(chosen)
+            share.tensors["is_pad"] = mb["is_pad"][chosen] if dealt[rank] else torch.ones(1, dtype=torch.long)
+            share.tensors["row_index"] = rows[chosen]
+            share.tensors["mini_batch_id"] = torch.full((len(chosen),), mb_id, dtype=torch.long)
+            pieces[rank].append(share)
+    return [DataBatch.concat(p) for p in pieces]
 
 
 def gather_rows(results: list[dict[str, torch.Tensor]], is_pad: list[torch.Tensor],
@@ -167,9 +200,21 @@ class RayWorkerGroup:
         """Deal rows to ranks by length, except in the exact mode (see DeviceSettings.fast_layout)."""
         return bool(self.init_info[0].get("fast_layout", False))
 
+    def _packs_trees(self) -> bool:
+        return bool(cfg_get(self.config, "actor_rollout_ref.model.tree_packing", True))
+
+    def _with_trees(self, batch: DataBatch) -> DataBatch:
+        out = _tensors_only(batch)
+        out.tensors.update(tree_columns(batch))
+        return out
+
     def compute_log_prob(self, batch: DataBatch, calc_entropy: bool | None = None) -> dict[str, torch.Tensor]:
         """``{"log_probs": (B, T)}`` (+ ``"entropy"``; by default for the actor role) in ``batch`` row order;
         see :meth:`ActorWorker.compute_log_prob`."""
+        if self._packs_trees():
+            shares = split_trees_for_ranks(self._with_trees(batch), self.world_size)
+            results = self.execute_split("compute_log_prob", shares, calc_entropy=calc_entropy)
+            return gather_rows(results, [s["is_pad"] for s in shares], [s["row_index"] for s in shares])
         balance = self._balance()
         shares, _ = split_for_ranks(_tensors_only(batch), self.world_size, balance=balance)
         results = self.execute_split("compute_log_prob", shares, calc_entropy=calc_entropy)
@@ -178,6 +223,9 @@ class RayWorkerGroup:
 
     def update_policy(self, batch: DataBatch) -> dict[str, float]:
         """One PPO update on ``batch`` (see :meth:`ActorWorker.update_policy`); returns verl's metrics."""
+        if self._packs_trees():
+            shares = split_trees_for_ranks(self._with_trees(batch), self.world_size, mini_batch_rows(self.config))
+            return self.execute_split("update_policy", shares)[0]
         shares, per_rank = split_for_ranks(_tensors_only(batch), self.world_size, mini_batch_rows(self.config),
                                            balance=self._balance())
         for s in shares:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.trainer.workers_helpers import (add_training_columns, base_config, max_abs_diff, random_batch,  # noqa: F401
-                                           ray_cluster, reference_update, small_model)
+                                           ray_cluster, reference_update, small_model, tree_batch)
 
 pytestmark = pytest.mark.slow
 
@@ -57,6 +57,41 @@ def test_two_rank_update_equals_one_process(small_model, ray_cluster, checkpoint
     assert metrics["actor/pg_clipfrac"] > 0  # the perturbed old log-probs make clipping happen
     assert metrics["actor/lr"] == pytest.approx(1e-3)
     assert "actor/entropy" in metrics and metrics["actor/entropy"] > 0
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient_checkpointing"])
+def test_tree_packed_update_on_two_ranks_equals_the_padded_one_process_update(small_model, ray_cluster,
+                                                                               checkpointing):
+    """ARPO trees (5 prompts x 4 rows with forks), one forward per tree: mini-batches of 3 and 2 trees dealt
+    whole to 2 ranks, so one rank has a tree fewer and joins the other's collectives with an empty micro-batch.
+    Log-probs, entropy and gradients are the padded layout's to float rounding (1e-5 relative)."""
+    from arpo.trainer.worker_group import RayWorkerGroup
+
+    cfg = base_config(small_model, world=2, tree_packing=True, ppo_mini_batch_size=3)
+    cfg["actor_rollout_ref"]["rollout"]["n"] = 4
+    cfg["actor_rollout_ref"]["model"]["enable_gradient_checkpointing"] = checkpointing
+    batch = tree_batch(5, 4, seed=5)
+    assert (batch.non_tensors["parent_index"] >= 0).sum() >= 10
+    group = RayWorkerGroup(cfg, role="actor")
+    try:
+        old = group.compute_log_prob(batch)
+        train = add_training_columns(batch, old["log_probs"], seed=6)
+        metrics = group.update_policy(train)
+        params, grads = group.full_parameters(), group.full_gradients()
+    finally:
+        group.shutdown()
+    assert torch.allclose(old["log_probs"], _hf_log_probs(small_model, batch), atol=1e-5)
+    attended = batch["attention_mask"][:, -batch["responses"].shape[1]:] == 1
+    assert (old["entropy"][attended] > 0).all() and not old["entropy"][~attended].any()
+    ref_params, ref_grads, ref_metrics = reference_update(small_model, train, cfg)
+    for name, g in ref_grads.items():
+        assert (grads[name] - g).abs().max() <= 1e-5 * g.abs().max() + 1e-9, name
+    # Adam divides by the root of the squared gradients: rounding on a near-zero gradient moves a weight by up
+    # to about lr (1e-3) times its relative error
+    assert max_abs_diff(params, ref_params) < 1e-5
+    for key in ("pg_loss", "kl_loss", "grad_norm", "pg_clipfrac", "ppo_kl"):
+        expected = sum(m[key] for m in ref_metrics) / len(ref_metrics)
+        assert metrics[f"actor/{key}"] == pytest.approx(expected, rel=1e-5, abs=1e-6), key
 
 
 def test_uneven_batch_is_padded_without_changing_the_update(small_model, ray_cluster):

@@ -113,3 +113,91 @@ def test_rows_that_do_not_share_their_fork_prefix_are_refused():
         pack_group([1, 2], [[5, 6, 7], [5, 9, 8]], [-1, 0], [0, 2])
     with pytest.raises(ValueError, match="cycle"):
         pack_group([1], [[5], [5]], [1, 0], [1, 1])
+
+
+# -- the actor's packed layout: micro-batches of one tree, trees dealt whole to ranks ----------------------------
+
+def tree_micro(groups: int = 1, rows: int = 6, seed: int = 0):
+    from arpo.trainer.tree_packing import tree_columns
+    from tests.trainer.workers_helpers import tree_batch
+
+    batch = tree_batch(groups, rows, seed, vocab=VOCAB)
+    batch.tensors.update(tree_columns(batch))
+    return batch
+
+
+def padded_forward(model, batch, **kwargs):
+    from arpo.trainer.logprobs import compute_logprobs_and_entropy
+
+    return compute_logprobs_and_entropy(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
+                                        batch["responses"].shape[1], pack=False, **kwargs)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_collated_tree_packs_to_the_padded_forwards_log_probs_and_entropy(seed):
+    from arpo.trainer.tree_packing import pack_micro_batch, packed_logprobs_and_entropy, unique_token_count
+
+    model = small_model("llama")
+    micro = tree_micro(seed=seed)
+    group = pack_micro_batch(micro)
+    width = micro["responses"].shape[1]
+    assert group is not None
+    assert group.unique_tokens == unique_token_count(micro, list(range(len(micro)))) < int(micro["attention_mask"].sum())
+    with torch.no_grad():
+        lp, ent = packed_logprobs_and_entropy(model, group, width, calc_entropy=True, chunk_size=5)
+        ref_lp, ref_ent = padded_forward(model, micro, calc_entropy=True)
+        # only loss positions through the head: tool results (and padding) come back 0
+        masked, _ = packed_logprobs_and_entropy(model, group, width, head_mask=micro["response_mask"])
+    attended = micro["attention_mask"][:, -width:].bool()
+    assert torch.allclose(lp[attended], ref_lp[attended], atol=1e-5, rtol=0)
+    assert torch.allclose(ent[attended], ref_ent[attended], atol=1e-5, rtol=0)
+    assert not lp[~attended].any() and not ent[~attended].any()
+    loss_pos = micro["response_mask"].bool()
+    assert torch.allclose(masked[loss_pos], ref_lp[loss_pos], atol=1e-5, rtol=0) and not masked[~loss_pos].any()
+
+
+def test_rows_whose_parent_is_absent_or_not_a_prefix_pack_as_roots_with_the_same_result(caplog):
+    from arpo.trainer.tree_packing import pack_micro_batch, packed_logprobs_and_entropy
+
+    model = small_model("qwen2")
+    batch = tree_micro(rows=6, seed=7)
+    children = [i for i in range(len(batch)) if int(batch["tree_parent"][i]) >= 0]
+    micro = batch.index([i for i in range(len(batch)) if i != int(batch["tree_parent"][children[-1]])])
+    broken = tree_micro(rows=6, seed=7)
+    broken.tensors["tree_branch_pos"] = broken["tree_branch_pos"] + 2  # claims more than it shares
+    for case in (micro, broken):
+        group = pack_micro_batch(case)
+        with torch.no_grad():
+            lp, _ = packed_logprobs_and_entropy(model, group, case["responses"].shape[1])
+            ref, _ = padded_forward(model, case)
+        assert torch.allclose(lp, ref, atol=1e-5, rtol=0)
+    assert "packed as a root" in caplog.text
+
+
+def test_trees_are_dealt_whole_to_ranks_balanced_by_packed_tokens_and_gathered_back_in_order():
+    from arpo.trainer.tree_packing import tree_micro_batches, unique_token_count
+    from arpo.trainer.worker_group import gather_rows, split_trees_for_ranks
+
+    batch = tree_micro(groups=7, rows=4, seed=3)
+    shares = split_trees_for_ranks(batch, world_size=3, mini_batch_rows=16)  # mini-batches of 4 and 3 groups
+    seen = []
+    for share in shares:
+        for mb in share["mini_batch_id"].unique().tolist():
+            rows = share["row_index"][(share["mini_batch_id"] == mb) & (share["is_pad"] == 0)].tolist()
+            seen.extend(rows)
+    assert sorted(seen) == list(range(len(batch)))
+    for tree in batch["tree_id"].unique().tolist():  # each tree on exactly one rank
+        holders = {r for r, s in enumerate(shares) if ((s["tree_id"] == tree) & (s["is_pad"] == 0)).any()}
+        assert len(holders) == 1
+    for mb, rows in ((0, range(16)), (1, range(16, 28))):
+        mini = batch.index(list(rows))
+        sizes = [unique_token_count(mini, t.tolist()) for t in tree_micro_batches(mini)]
+        subs = [s.index((s["mini_batch_id"] == mb).nonzero()[:, 0]) for s in shares]
+        loads = [sum(unique_token_count(sub, t.tolist()) for t in tree_micro_batches(sub)) for sub in subs]
+        assert sum(loads) == sum(sizes) and max(loads) - min(loads) <= max(sizes)
+    values = [{"v": s["row_index"].float()[:, None] * 10} for s in shares]
+    back = gather_rows(values, [s["is_pad"] for s in shares], [s["row_index"] for s in shares])
+    assert torch.equal(back["v"][:, 0], torch.arange(len(batch)).float() * 10)
+    # one tree over two ranks: the rank without a tree gets a pad row, and so still joins every collective
+    lone = split_trees_for_ranks(tree_micro(groups=1, rows=3), world_size=2)
+    assert [int(s["is_pad"].sum()) for s in lone] == [0, 1] and len(lone[1]) == 1

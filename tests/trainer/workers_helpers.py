@@ -36,7 +36,9 @@ def ray_cluster() -> None:
     init_ray({"num_cpus": 4, "object_store_memory": 100 * 1024 * 1024})
 
 
-def base_config(model_dir: Path, world: int = 2, **actor_overrides) -> dict:
+def base_config(model_dir: Path, world: int = 2, tree_packing: bool = False, **actor_overrides) -> dict:
+    """Padded layout by default (``tree_packing`` off): the tests of data-parallel exactness compare it with the
+    padded one-process reference; the tree-packed update has its own tests."""
     actor = {
         "strategy": "fsdp2", "ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_gpu": 1, "ppo_epochs": 1,
         "grad_clip": 1.0e6, "clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
@@ -51,7 +53,7 @@ def base_config(model_dir: Path, world: int = 2, **actor_overrides) -> dict:
         "trainer": {"device": "cpu", "nnodes": 1, "n_gpus_per_node": world, "cpus_per_worker": 1},
         "data": {"train_batch_size": 4},
         "actor_rollout_ref": {
-            "model": {"path": str(model_dir), "dtype": "auto"},
+            "model": {"path": str(model_dir), "dtype": "auto", "tree_packing": tree_packing},
             "actor": actor,
             "ref": {"log_prob_micro_batch_size_per_gpu": 3},
             "rollout": {"n": 2, "temperature": 1.0, "log_prob_micro_batch_size_per_gpu": 3},
@@ -75,6 +77,30 @@ def random_batch(n_rows: int, seed: int, vocab: int = 400, n_per_group: int = 2,
         trajs.append(t)
     n_groups = (n_rows + n_per_group - 1) // n_per_group
     return collate_trajectories(trajs, pad_token_id=0, group_uids=[f"g{g}" for g in range(n_groups)])
+
+
+def tree_batch(groups: int, rows: int, seed: int, vocab: int = 400) -> DataBatch:
+    """ARPO-shaped groups: ``rows`` trajectories per prompt, each after the first forked from an earlier one at
+    a random point of its response (model tokens, a tool result, model tokens), so rows share their prompt and
+    their parent's first ``branch_pos`` tokens."""
+    rng = random.Random(seed)
+    trajs: list[Trajectory] = []
+    for g in range(groups):
+        prompt = [rng.randrange(5, vocab) for _ in range(rng.randint(4, 10))]
+        first = len(trajs)
+        for r in range(rows):
+            t = Trajectory(group=g, prompt_ids=prompt)
+            if r and rng.random() < 0.8:
+                t.parent = first + rng.randrange(r)
+                parent = trajs[t.parent]
+                t.branch_pos = rng.randint(0, len(parent.response_ids))
+                t.response_ids = parent.response_ids[: t.branch_pos]
+                t.response_mask = parent.response_mask[: t.branch_pos]
+            t.append([rng.randrange(5, vocab) for _ in range(rng.randint(1, 5))], True)
+            t.append([rng.randrange(5, vocab) for _ in range(rng.randint(0, 3))], False)
+            t.append([rng.randrange(5, vocab) for _ in range(rng.randint(1, 4))], True)
+            trajs.append(t)
+    return collate_trajectories(trajs, pad_token_id=0, group_uids=[f"g{g}" for g in range(groups)])
 
 
 def add_training_columns(batch: DataBatch, old_log_probs: torch.Tensor, seed: int) -> DataBatch:
