@@ -142,13 +142,10 @@ def tree_dump_batch(path: Path, rows: int, prompt_len: int, vocab: int, seed: in
 
 def token_counts(batch) -> dict:
     """Total tokens of the batch's rows, and the tokens once each group's tree is packed."""
-    from arpo.trainer.tree_packing import tree_columns, tree_micro_batches, unique_token_count
+    from arpo.trainer.tree_packing import packed_token_counts
 
-    trees = batch.index(slice(0, len(batch)))
-    trees.tensors.update(tree_columns(batch))
-    unique = sum(unique_token_count(trees, t.tolist()) for t in tree_micro_batches(trees))
-    total = int(batch["attention_mask"].sum())
-    return {"total_tokens": total, "packed_tokens": unique, "packed_over_total": round(unique / total, 4)}
+    packed, total = packed_token_counts(batch)
+    return {"total_tokens": total, "packed_tokens": packed, "packed_over_total": round(packed / total, 4)}
 
 
 def sampled_batch(model, batch, response_len: int, seed: int):

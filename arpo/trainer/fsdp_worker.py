@@ -28,7 +28,8 @@ from arpo.trainer.actor_update import METRIC_KEYS, full_tensor, micro_batch_orde
 from arpo.trainer.device import cpu_has_native_bf16, device_settings_from_config
 from arpo.trainer.logprobs import DEFAULT_CHUNK_SIZE, compute_logprobs_and_entropy
 from arpo.trainer.memory import configure_allocator, memory_stats, release_memory
-from arpo.trainer.tree_packing import pack_micro_batch, packed_logprobs_and_entropy, tree_micro_batches
+from arpo.trainer.tree_packing import (MAX_PACKED_TOKENS, pack_micro_batch, packed_logprobs_and_entropy,
+                                       tree_micro_batches, unique_token_count)
 
 logger = logging.getLogger(__name__)
 
@@ -194,10 +195,13 @@ class ActorWorker:
         return self.tree_packing and "tree_id" in batch.tensors
 
     def micro_batches(self, batch: DataBatch, micro_size: int) -> list[torch.Tensor]:
-        """Row indices of each micro-batch: one tree each when packing trees (pad rows left out), else
-        ``micro_size`` rows (of similar length in the fast layout)."""
+        """Row indices of each micro-batch: one tree each when packing trees (pad rows left out; a tree over
+        MAX_PACKED_TOKENS in runs of ``micro_size`` rows), else ``micro_size`` rows (of similar length in the fast
+        layout)."""
         if self.packs_trees(batch):
-            return tree_micro_batches(batch)
+            return [rows[sl] for rows in tree_micro_batches(batch)
+                    for sl in ([slice(None)] if unique_token_count(batch, rows.tolist()) <= MAX_PACKED_TOKENS
+                               else split_rows(len(rows), micro_size))]
         order = (micro_batch_order(batch["attention_mask"]) if self.settings.fast_layout
                  else torch.arange(len(batch)))
         return [order[sl] for sl in split_rows(len(batch), micro_size)]

@@ -1,5 +1,6 @@
 """Per-step training metrics under verl's names, so dashboards and notebooks written for verl read ours.
 
+``perf/packed_token_ratio`` is the batch's tokens once each prompt group's tree is packed over its tokens as rows.
 ``critic/score`` is the sequence score from the reward functions, ``critic/rewards`` the token-level reward after
 any KL-in-reward penalty, ``critic/advantages`` and ``critic/returns`` are over response tokens with mask 1.
 """
@@ -13,6 +14,7 @@ from typing import Iterator
 import torch
 
 from arpo.batch import DataBatch
+from arpo.trainer.tree_packing import packed_token_counts
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
@@ -43,6 +45,9 @@ def compute_data_metrics(batch: DataBatch) -> dict[str, float]:
     metrics.update(_stats("prompt_length", prompt_len))
     metrics["prompt_length/clip_ratio"] = (prompt_len >= max_prompt).float().mean().item()
     metrics["response_length/model_tokens_mean"] = mask.sum(-1).float().mean().item()
+    if "group_index" in batch.non_tensors:  # what tree packing saves the actor (actor_rollout_ref.model.tree_packing)
+        packed, total = packed_token_counts(batch)
+        metrics["perf/packed_token_ratio"] = packed / max(1, total)
     return metrics
 
 

@@ -30,6 +30,10 @@ from arpo.trainer.logprobs import DEFAULT_CHUNK_SIZE, ChunkedResponseHead
 
 logger = logging.getLogger(__name__)
 
+#: largest packed tree run as one sequence: its dense mask is tokens² bytes (256 MiB here); a bigger tree is
+#: run in micro-batches of rows, each packed on its own (FlexAttention block masks would lift this)
+MAX_PACKED_TOKENS = 16384
+
 #: tensor columns the worker group adds for the ranks: group id, row id in the batch, parent's row id, fork point
 TREE_COLUMNS = ("tree_id", "tree_row", "tree_parent", "tree_branch_pos")
 
@@ -138,6 +142,13 @@ def unique_token_count(batch: DataBatch, rows: list[int]) -> int:
         shared = int(batch["tree_branch_pos"][i]) if int(batch["tree_parent"][i]) in present else 0
         total += max(0, int(attn[i, -width:].sum()) - shared)
     return total
+
+
+def packed_token_counts(batch: DataBatch) -> tuple[int, int]:
+    """(tokens once every prompt group's tree is packed, tokens of the rows as they are) of a collated batch."""
+    trees = DataBatch({**batch.tensors, **tree_columns(batch)}, {}, {})
+    packed = sum(unique_token_count(trees, t.tolist()) for t in tree_micro_batches(trees))
+    return packed, int(batch["attention_mask"].sum())
 
 
 def pack_micro_batch(micro: DataBatch) -> PackedGroup | None:

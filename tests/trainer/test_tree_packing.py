@@ -201,3 +201,35 @@ def test_trees_are_dealt_whole_to_ranks_balanced_by_packed_tokens_and_gathered_b
     # one tree over two ranks: the rank without a tree gets a pad row, and so still joins every collective
     lone = split_trees_for_ranks(tree_micro(groups=1, rows=3), world_size=2)
     assert [int(s["is_pad"].sum()) for s in lone] == [0, 1] and len(lone[1]) == 1
+
+
+def test_step_metrics_report_the_packed_token_ratio():
+    from arpo.trainer.metrics import compute_data_metrics
+    from tests.trainer.workers_helpers import tree_batch
+
+    batch = tree_batch(3, 4, seed=11)
+    attn, width = batch["attention_mask"], batch["responses"].shape[1]
+    prompt_len = attn[:, :-width].sum(1)
+    resp_len = attn[:, -width:].sum(1)
+    parent, branch_pos = batch.non_tensors["parent_index"], batch.non_tensors["branch_pos"]
+    packed = sum(int(prompt_len[rows[0]]) for rows in (range(g * 4, g * 4 + 4) for g in range(3)))
+    packed += sum(int(resp_len[i]) - (int(branch_pos[i]) if parent[i] >= 0 else 0) for i in range(len(batch)))
+    ratio = compute_data_metrics(batch)["perf/packed_token_ratio"]
+    assert ratio == pytest.approx(packed / int(attn.sum())) and ratio < 0.8
+
+
+def test_a_micro_batch_is_one_tree_and_a_tree_over_the_token_cap_runs_in_runs_of_rows(monkeypatch):
+    import arpo.trainer.fsdp_worker as fsdp_worker
+
+    cfg = {"trainer": {"device": "cpu"}, "actor_rollout_ref": {"model": {"dtype": "float32", "tree_packing": True}}}
+    worker = fsdp_worker.ActorWorker(cfg)
+    batch = tree_micro(groups=3, rows=4, seed=2)
+    batch.tensors["is_pad"] = torch.zeros(len(batch), dtype=torch.long)
+    batch.tensors["is_pad"][-1] = 1
+    micros = worker.micro_batches(batch, micro_size=3)
+    assert [m.tolist() for m in micros] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]  # the pad row runs nowhere
+    monkeypatch.setattr(fsdp_worker, "MAX_PACKED_TOKENS", 10)
+    assert [m.tolist() for m in worker.micro_batches(batch, micro_size=3)] == [[0, 1, 2], [3], [4, 5, 6], [7],
+                                                                               [8, 9, 10]]
+    worker.tree_packing = False
+    assert len(worker.micro_batches(batch, micro_size=3)) == 4
