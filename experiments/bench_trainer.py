@@ -348,7 +348,7 @@ def main() -> None:
         if args.numerics:
             torch.set_num_threads(max(1, args.cpus // args.ranks))
             print(json.dumps({"bench": "trainer_numerics", "model": str(model), "rows": args.rows,
-                              "sampled_response_len": args.sample,
+                              "sampled_response_len": args.sample, **token_counts(batch),
                               **numerics(model, batch, args.chunk, args.sample)}, indent=2), file=out, flush=True)
             return
         init_ray({"num_cpus": args.cpus, "object_store_memory": 200 * 1024 * 1024})

@@ -139,7 +139,9 @@ def test_bench_arpo_rollout_vllm(tiny_model_dir):
 
 def test_bench_trainer_numerics(tiny_model_dir):
     """The trainer benchmark's stdout guard (its Ray path shares it) in the mode that needs no Ray: cheap enough
-    for every CI run."""
+    for every CI run. Rows on the first group of a real ARPO rollout dump's trees (forks share tokens)."""
+    dump = Path(__file__).resolve().parents[1] / "experiments/results/smollm2_advantage/rollouts/arpo_soft.jsonl"
     result = run_bench("bench_trainer.py", "--model", tiny_model_dir, "--numerics", "--rows", 2, "--prompt-len", 16,
-                       "--response-len", 24, "--cpus", 2)
-    assert result["bench"] == "trainer_numerics" and result["rows"] == 2 and result["model"] == str(tiny_model_dir)
+                       "--trees", dump, "--cpus", 2)
+    assert result["bench"] == "trainer_numerics" and result["rows"] == 4 and result["model"] == str(tiny_model_dir)
+    assert 0 < result["packed_tokens"] < result["total_tokens"]
