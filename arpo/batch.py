@@ -36,17 +36,22 @@ class Trajectory:
     branch_pos: int = 0
     #: per response token entropy (normalised) where requested; NaN on tool tokens.
     token_entropy: list[float] | None = None
+    #: the rollout engine's log-prob of each response token (0 on tool results), where recorded
+    rollout_log_probs: list[float] | None = None
     #: [{"tool": name, "start": response pos of the call's result, "end": ..., "error": bool}]
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str = ""
     #: extra per-trajectory values that become non-tensor columns (e.g. num_turns).
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def append(self, token_ids: list[int], model_generated: bool, entropy: list[float] | None = None) -> None:
+    def append(self, token_ids: list[int], model_generated: bool, entropy: list[float] | None = None,
+               log_probs: list[float] | None = None) -> None:
         self.response_ids.extend(token_ids)
         self.response_mask.extend([1 if model_generated else 0] * len(token_ids))
         if self.token_entropy is not None:
             self.token_entropy.extend(entropy if entropy is not None else [float("nan")] * len(token_ids))
+        if self.rollout_log_probs is not None:
+            self.rollout_log_probs.extend(log_probs if log_probs is not None else [0.0] * len(token_ids))
 
 
 @dataclass
@@ -151,6 +156,13 @@ def collate_trajectories(
         "position_ids": position_ids,
         "response_mask": resp_mask,
     }
+    if all(t.rollout_log_probs is not None for t in trajectories):
+        # verl's column: the rollout engine's log-prob of every response token, 0 on tool results and padding
+        rollout_lp = torch.zeros((n, r_len), dtype=torch.float32)
+        for i, (t, r) in enumerate(zip(trajectories, responses)):
+            if r:
+                rollout_lp[i, : len(r)] = torch.tensor(t.rollout_log_probs[: len(r)], dtype=torch.float32)
+        tensors["rollout_log_probs"] = rollout_lp * resp_mask
     non_tensors: dict[str, np.ndarray] = {
         "uid": _object_column([group_uids[t.group] for t in trajectories]),
         "group_index": np.array([t.group for t in trajectories], dtype=np.int64),

@@ -26,7 +26,7 @@ ROLLOUT_MODES = ("arpo", "single", "agent_loop")
 def validate_config(cfg: DictConfig) -> None:
     """Every cross-key rule, checked before anything starts; each failure is one line naming keys and fix."""
     from arpo.rollout.config import ARPORolloutConfig
-    from arpo.trainer.actor_config import validate_actor_config
+    from arpo.trainer.actor_config import rollout_temperature, validate_actor_config
     from arpo.trainer.algo_config import validate_algorithm_config
     from reward_fns.overlong import OverlongBuffer
 
@@ -37,6 +37,20 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"actor_rollout_ref.rollout.arpo.mode={r.arpo.mode!r} is ignored in training (the "
                           f"rollout follows actor_rollout_ref.rollout.mode={r.mode!r}): set "
                           f"actor_rollout_ref.rollout.mode={r.arpo.mode} instead")
+    if not isinstance(r.calculate_log_probs, bool):
+        raise ConfigError(f"actor_rollout_ref.rollout.calculate_log_probs must be true or false, got "
+                          f"{r.calculate_log_probs!r}")
+    if r.arpo.calculate_log_probs and not r.calculate_log_probs:
+        raise ConfigError("actor_rollout_ref.rollout.arpo.calculate_log_probs is ignored in training: set "
+                          "actor_rollout_ref.rollout.calculate_log_probs=true instead")
+    if r.calculate_log_probs and r.mode == "agent_loop":
+        raise ConfigError("actor_rollout_ref.rollout.calculate_log_probs=true: the agent loops do not record the "
+                          "rollout's log-probs yet; use actor_rollout_ref.rollout.mode=arpo or single")
+    temperature = rollout_temperature(cfg)
+    if r.calculate_log_probs and temperature != 1.0 and r.logprobs_mode != "processed_logprobs":
+        raise ConfigError(f"actor_rollout_ref.rollout.calculate_log_probs=true at temperature {temperature}: "
+                          f"raw log-probs are of the temperature-1 distribution, the trainer's of logits / "
+                          f"temperature; set actor_rollout_ref.rollout.logprobs_mode=processed_logprobs")
     require_path(cfg.actor_rollout_ref.model.path, "actor_rollout_ref.model.path",
                  "run `python -m arpo.pipeline` (builds the tiny SFT model) or point it at an HF checkpoint",
                  kind="model directory")
@@ -151,6 +165,7 @@ def build_rollout(cfg: DictConfig, engine: Any, tokenizer: Any, tools: Any):
 
         arpo_cfg = dict(OmegaConf.to_container(r.arpo, resolve=True))
         arpo_cfg["mode"] = r.mode
+        arpo_cfg["calculate_log_probs"] = bool(r.calculate_log_probs)
         return ARPORollout(engine, tokenizer, arpo_cfg, tools)
     from arpo.agent_loop.manager import AgentLoopConfig, AgentLoopManager
 

@@ -189,7 +189,8 @@ def test_sigkill_mid_training_resumes_from_the_last_checkpoint(sft_model_dir, tm
 @pytest.mark.slow
 def test_dapo_preset_trains_on_informative_groups_of_several_rounds_on_a_joined_cluster(sft_model_dir, tmp_path):
     """preset=dapo end to end (one step): groups filtered over generation rounds, rounds joined (re-padded,
-    trees kept) and cut to train_batch_size, the overlong penalty in the reward. The tiny model almost never
+    trees kept) and cut to train_batch_size, the overlong penalty in the reward, rollout correction (TIS) on the
+    engine's recorded log-probs. The tiny model almost never
     answers correctly, so groups are told apart by their summed reward (format, overlong) instead of accuracy.
     The run joins a Ray cluster started beforehand (``ray_init.address``), as on several machines, and leaves
     it running; a cluster too small for the config is one clear error."""
@@ -209,7 +210,9 @@ def test_dapo_preset_trains_on_informative_groups_of_several_rounds_on_a_joined_
                                 "trainer.total_training_steps=1", "trainer.test_freq=-1",
                                 "trainer.val_before_train=false", "data.gen_batch_size=4",
                                 "algorithm.filter_groups.metric=seq_reward",
-                                "algorithm.filter_groups.max_num_gen_batches=3"),
+                                "algorithm.filter_groups.max_num_gen_batches=3",
+                                "actor_rollout_ref.rollout.calculate_log_probs=true",
+                                "algorithm.rollout_correction.rollout_is=token"),
                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env=_env())
         assert r.returncode == 0, r.stderr[-4000:]
         assert f"joined ray cluster at {address}" in (out / "logs" / "arpo.log").read_text()
@@ -222,6 +225,10 @@ def test_dapo_preset_trains_on_informative_groups_of_several_rounds_on_a_joined_
         assert 1 <= rounds <= 3 and kept <= 4 and kept + dropped + m["train/num_groups_surplus"] == 4 * rounds
         assert (kept == 4) or rounds == 3  # stops as soon as the batch is full, else at the cap
         assert "reward/overlong/fraction" in m
+        if kept:  # rollout correction: vLLM's and the FSDP trainer's log-probs (both fp32 here) nearly agree
+            assert abs(m["rollout_corr/kl"]) < 1e-2 and m["rollout_corr/k3_kl"] < 1e-2
+            assert 0.99 < m["rollout_corr/ratio_max"] < 2.0 and 0.9 < m["rollout_corr/rollout_is_mean"] < 1.1
+            assert 0 <= m["training/rollout_probs_diff_mean"] <= m["training/rollout_probs_diff_max"] < 0.5
         if kept:  # the update's batch: the kept groups, whole, each with rewards that differ
             rows = [json.loads(line) for line in
                     (out / "rollouts" / f"step_{m['step']}.jsonl").read_text().splitlines()]

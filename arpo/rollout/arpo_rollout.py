@@ -213,7 +213,8 @@ class RolloutCall:
             raise ValueError(f"{len(group_ids)} group ids for {len(prompts)} prompts")
         self.m = RolloutMetrics()
         tool_names = [n for n in executor.tool_names if n in TOOL_TAGS]
-        want_logprobs = cfg.mode == "arpo" or cfg.return_entropy
+        every_token = cfg.return_entropy or cfg.calculate_log_probs  # else logprobs on entropy windows only
+        want_logprobs = cfg.mode == "arpo" or every_token
         params = SamplingParams(
             temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
             repetition_penalty=cfg.repetition_penalty,
@@ -223,7 +224,7 @@ class RolloutCall:
         self.segments = SegmentRequester(
             engine, tokenizer, params, seed=seed, nonce=uuid.uuid4().hex[:8],  # request ids only
             group_ids=group_ids, window=cfg.entropy_window, max_response_length=cfg.max_response_length,
-            window_logprobs_only=want_logprobs and not cfg.return_entropy, metrics=self.m)
+            window_logprobs_only=want_logprobs and not every_token, metrics=self.m)
         self.tree = RolloutTree(cfg, tokenizer, prompts, seed, tool_names, call_rate_prior or {}, self.m,
                                 self.segments.cut_at_stop, group_ids)
         #: set once the group's initial entropy is known (``initial_entropy_scope: group``)

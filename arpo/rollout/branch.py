@@ -38,6 +38,8 @@ class Branch:
     response_ids: list[int] = field(default_factory=list)
     response_mask: list[int] = field(default_factory=list)
     token_entropy: list[float] = field(default_factory=list)
+    #: the engine's log-prob of each sampled token (0 on tool results), with calculate_log_probs
+    rollout_log_probs: list[float] = field(default_factory=list)
     parent: int = -1  # tid of the parent
     #: the tree it belongs to within its group: its root's number (Tree-GRPO's intra-tree groups)
     tree: int = 0
@@ -65,7 +67,9 @@ class Branch:
     tally: Counter = field(default_factory=Counter)
     samples: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
 
-    def append(self, ids: list[int], model: bool, entropy: list[float] | None = None) -> None:
+    def append(self, ids: list[int], model: bool, entropy: list[float] | None = None,
+               log_probs: list[float] | None = None) -> None:
         self.response_ids.extend(ids)
         self.response_mask.extend([1 if model else 0] * len(ids))
         self.token_entropy.extend(entropy if entropy is not None else [math.nan] * len(ids))
+        self.rollout_log_probs.extend(log_probs if log_probs is not None else [0.0] * len(ids))

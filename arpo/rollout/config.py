@@ -54,6 +54,7 @@ class ARPORolloutConfig:
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int = 0
     return_entropy: bool = False
+    calculate_log_probs: bool = False
     tool_workers: int = 64
     tool_timeout_s: float = 120.0
     tool_retries: int = 3

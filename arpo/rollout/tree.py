@@ -106,7 +106,8 @@ class RolloutTree:
         return self._new(
             parent.group, kind, key,
             response_ids=parent.response_ids[:pos], response_mask=parent.response_mask[:pos],
-            token_entropy=parent.token_entropy[:pos], parent=parent.tid, branch_pos=pos, tree=parent.tree,
+            token_entropy=parent.token_entropy[:pos], rollout_log_probs=parent.rollout_log_probs[:pos],
+            parent=parent.tid, branch_pos=pos, tree=parent.tree,
             tool_calls=copy.deepcopy(records), n_calls=len(records),
             h_initial=parent.h_initial, own_h0=parent.own_h0, seg_start=pos,
             seg_after_tool=bool(records) and records[-1]["end"] == pos,
@@ -130,7 +131,12 @@ class RolloutTree:
         # per-token entropy is an output only with return_entropy; decisions use the window's logprobs
         scored = lps if self.cfg.return_entropy else []
         entropy = [token_entropy(lp) / self.log_v for lp in scored] + [math.nan] * (len(ids) - len(scored))
-        b.append(ids, model=True, entropy=entropy)
+        log_probs = None
+        if self.cfg.calculate_log_probs:
+            if len(lps) < len(ids) or any(t not in lp for t, lp in zip(ids, lps)):
+                raise RuntimeError("calculate_log_probs: the engine returned no log-prob for a sampled token")
+            log_probs = [lp[t] for t, lp in zip(ids, lps)]
+        b.append(ids, model=True, entropy=entropy, log_probs=log_probs)
         b.seg_logprobs.extend(lps[: max(0, self.bcfg.window - len(b.seg_logprobs))])
         self.m.count["tokens_generated"] += len(ids)
         if first_piece and lps:
@@ -406,6 +412,7 @@ class RolloutTree:
             group=b.group, prompt_ids=list(b.prompt_ids), response_ids=b.response_ids,
             response_mask=b.response_mask, parent=index[b.parent] if b.parent >= 0 else -1,
             branch_pos=b.branch_pos, token_entropy=b.token_entropy if self.cfg.return_entropy else None,
+            rollout_log_probs=b.rollout_log_probs if self.cfg.calculate_log_probs else None,
             tool_calls=b.tool_calls, finish_reason=b.finish_reason,
             extra={"num_tool_calls": b.n_calls, "rollout_kind": b.kind, "tree_index": b.tree,
                    "initial_entropy": math.nan if b.h_initial is None else b.h_initial},

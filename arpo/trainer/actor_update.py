@@ -30,6 +30,7 @@ import torch
 from arpo.batch import DataBatch
 from arpo.trainer import core_algos
 from arpo.trainer.actor_config import cfg_get, mini_batch_rows
+from arpo.trainer.rollout_correction import mismatch_sums, rollout_is_weights
 
 if TYPE_CHECKING:
     from arpo.trainer.fsdp_worker import ActorWorker
@@ -39,6 +40,11 @@ logger = logging.getLogger(__name__)
 #: Metrics returned by the update (verl's names).
 METRIC_KEYS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/entropy",
                "actor/kl_loss", "actor/grad_norm", "actor/lr")
+#: With the rollout's log-probs in the batch: the rollout-vs-trainer gap (verl's rollout correction names), token
+#: means over each mini-batch averaged like the others, and maxima over the step.
+MISMATCH_MEAN_KEYS = ("rollout_corr/kl", "rollout_corr/k3_kl", "training/rollout_probs_diff_mean",
+                      "rollout_corr/rollout_is_mean")
+MISMATCH_MAX_KEYS = ("rollout_corr/ratio_max", "training/rollout_probs_diff_max")
 
 
 def split_rows(n: int, size: int) -> list[slice]:
@@ -107,6 +113,9 @@ def ppo_update(worker: "ActorWorker", batch: DataBatch) -> dict[str, float]:
     micro_size = int(actor("ppo_micro_batch_size_per_gpu", 1))
     scale_factor = actor("loss_scale_factor", batch.meta.get("max_response_length"))
     grad_clip = float(actor("grad_clip", 1.0))
+    has_rollout = "rollout_log_probs" in batch.tensors
+    is_level = cfg_get(worker.config, "algorithm.rollout_correction.rollout_is") if has_rollout else None
+    is_threshold = float(cfg_get(worker.config, "algorithm.rollout_correction.rollout_is_threshold", 2.0))
     # Without a separate old-log-prob pass the entropy metric (verl's actor/entropy) comes from here; as a
     # metric only it is computed without autograd.
     calc_entropy = entropy_coeff != 0 or not has_old
@@ -115,7 +124,8 @@ def ppo_update(worker: "ActorWorker", batch: DataBatch) -> dict[str, float]:
     dev = worker.device
 
     worker.model.train()
-    sums: dict[str, float] = {k: 0.0 for k in METRIC_KEYS}
+    sums: dict[str, float] = {k: 0.0 for k in METRIC_KEYS + MISMATCH_MEAN_KEYS}
+    maxima = [0.0, 0.0]
     n_updates = 0
     for _ in range(epochs):
         for mb_rows in minis:
@@ -128,8 +138,10 @@ def ppo_update(worker: "ActorWorker", batch: DataBatch) -> dict[str, float]:
             g_tokens = agg["batch_num_tokens"]
 
             worker.optimizer.zero_grad(set_to_none=True)
-            # [pg_loss, kl_loss, clipfrac·tok, ppo_kl·tok, clipfrac_lower·tok, entropy·tok]
-            local = torch.zeros(6, dtype=torch.float64)
+            # [pg_loss, kl_loss, clipfrac·tok, ppo_kl·tok, clipfrac_lower·tok, entropy·tok,
+            #  then with rollout log-probs: k1 KL·tok, k3 KL·tok, probs diff·tok, IS weight·tok]
+            local = torch.zeros(10, dtype=torch.float64)
+            local_max = [0.0, 0.0]
             micros = worker.micro_batches(mb, micro_size)
             for i in range(worker.micro_batch_count(micros)):
                 if i >= len(micros):  # this rank has fewer trees than another: join its collectives
@@ -144,11 +156,20 @@ def ppo_update(worker: "ActorWorker", batch: DataBatch) -> dict[str, float]:
                 log_prob, entropy = worker.forward(micro, temperature, calc_entropy=calc_entropy,
                                                    entropy_grad=entropy_coeff != 0, head_mask=mask)
                 old_log_prob = micro["old_log_probs"].to(dev) if has_old else log_prob.detach()
+                weights = None
+                if has_rollout:
+                    rollout_lp = micro["rollout_log_probs"].to(dev)
+                    gap_sums, gap_max = mismatch_sums(old_log_prob, rollout_lp, mask)
+                    local[6:9] += torch.tensor(gap_sums, dtype=torch.float64)
+                    local_max = [max(a, b) for a, b in zip(local_max, gap_max)]
+                    if is_level is not None:
+                        weights = rollout_is_weights(old_log_prob, rollout_lp, mask, is_level, is_threshold)
+                        local[9] += float(weights.sum())
                 pg_loss, clipfrac, ppo_kl, clipfrac_lower = core_algos.compute_policy_loss(
                     old_log_prob=old_log_prob, log_prob=log_prob,
                     advantages=micro["advantages"].to(dev), response_mask=mask,
                     cliprange=clip, cliprange_low=clip_low, cliprange_high=clip_high, clip_ratio_c=clip_c,
-                    loss_agg_mode=mode, **agg)
+                    loss_agg_mode=mode, rollout_is_weights=weights, **agg)
                 loss = pg_loss
                 if entropy_coeff != 0:
                     loss = loss - entropy_coeff * core_algos.agg_loss(entropy, mask, mode, **agg)
@@ -181,6 +202,10 @@ def ppo_update(worker: "ActorWorker", batch: DataBatch) -> dict[str, float]:
             sums["actor/ppo_kl"] += float(tot[3]) / per_tok
             sums["actor/pg_clipfrac_lower"] += float(tot[4]) / per_tok
             sums["actor/entropy"] += float(tot[5]) / per_tok
+            for key, value in zip(MISMATCH_MEAN_KEYS, tot[6:10].tolist()):
+                sums[key] += value / per_tok
+            if has_rollout:
+                maxima = [max(a, b) for a, b in zip(maxima, worker.all_reduce_max(local_max).tolist())]
             sums["actor/grad_norm"] += float(grad_norm)
             n_updates += 1
     worker.lr_scheduler.step()
@@ -190,4 +215,11 @@ def ppo_update(worker: "ActorWorker", batch: DataBatch) -> dict[str, float]:
         metrics.pop("actor/entropy")  # the trainer logs it from the old-log-prob pass
     if not use_kl:
         metrics.pop("actor/kl_loss")
+    if has_rollout:
+        metrics.update(zip(MISMATCH_MAX_KEYS, maxima))
+        if is_level is None:
+            metrics.pop("rollout_corr/rollout_is_mean")
+    else:
+        for key in MISMATCH_MEAN_KEYS:
+            metrics.pop(key)
     return metrics

@@ -9,6 +9,7 @@ from arpo.trainer.core_algos import ADV_ESTIMATOR_REGISTRY, KL_CTRL_TYPES, KL_PE
 from arpo.trainer.dynamic_sampling import filter_groups_config
 from arpo.trainer.hard_advantage import ADVANTAGE_MODES
 from arpo.trainer.logprobs import DEFAULT_CHUNK_SIZE
+from arpo.trainer.rollout_correction import ROLLOUT_IS_LEVELS
 
 #: Estimators that give one advantage per trajectory, the only ones hard mode is defined for
 #: (reinforce_plus_plus_baseline whitens a per-trajectory score: still one value per row).
@@ -55,6 +56,16 @@ def validate_algorithm_config(cfg: Any) -> None:
                              "or leave data.gen_batch_size null")
         if isinstance(gen, bool) or not isinstance(gen, int) or gen < 1:
             raise ValueError(f"data.gen_batch_size must be null or an integer >= 1, got {gen!r}")
+    level = _get(cfg, "algorithm.rollout_correction.rollout_is")
+    if level not in (None, *ROLLOUT_IS_LEVELS):
+        raise ValueError(f"algorithm.rollout_correction.rollout_is={level!r} is not valid; choose one of: null, "
+                         f"{', '.join(ROLLOUT_IS_LEVELS)}")
+    threshold = _get(cfg, "algorithm.rollout_correction.rollout_is_threshold", 2.0)
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold > 0:
+        raise ValueError(f"algorithm.rollout_correction.rollout_is_threshold must be a number > 0, got {threshold!r}")
+    if level is not None and _get(cfg, "actor_rollout_ref.rollout.calculate_log_probs", False) is not True:
+        raise ValueError(f"algorithm.rollout_correction.rollout_is={level} needs the rollout's log-probs: set "
+                         f"actor_rollout_ref.rollout.calculate_log_probs=true")
     _choice(cfg, "algorithm.kl_penalty", KL_PENALTY_TYPES, "kl")
     ctrl = _choice(cfg, "algorithm.kl_ctrl.type", KL_CTRL_TYPES, "fixed")
     if ctrl == "adaptive":

@@ -144,6 +144,7 @@ def compute_policy_loss(
     cliprange_high: float | None = None,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
     **agg_kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate with asymmetric clipping and dual clip (verl's vanilla policy loss).
@@ -154,7 +155,8 @@ def compute_policy_loss(
     ``cliprange_low``/``cliprange_high`` default to ``cliprange`` (config: ``clip_ratio_low/high``,
     ``clip_ratio``). ``agg_kwargs`` (``dp_size``, ``batch_num_tokens``, ``global_batch_size``,
     ``loss_scale_factor``: verl's ``config.global_batch_info``) go to :func:`agg_loss`; the metrics are
-    local masked means.
+    local masked means. ``rollout_is_weights`` (rollout correction, :mod:`arpo.trainer.rollout_correction`)
+    multiply each token's loss before aggregation, as in verl.
 
     Returns ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``: the fraction of tokens where the clipped
     term is active, the masked mean of old_logp − logp, and the fraction where the dual clip is active.
@@ -181,6 +183,8 @@ def compute_policy_loss(
     negative = advantages < 0
     pg_clipfrac_lower = masked_mean((torch.gt(clip_loss, dual_cap) & negative).float(), response_mask)
     pg_losses = torch.where(negative, torch.minimum(clip_loss, dual_cap), clip_loss)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
 
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower

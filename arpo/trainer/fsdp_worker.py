@@ -209,11 +209,7 @@ class ActorWorker:
     def micro_batch_count(self, micros: list[torch.Tensor]) -> int:
         """The most micro-batches any rank has: every forward and backward is a collective (FSDP2 gathers and
         reduces per call), so a rank with fewer trees runs :meth:`dummy_micro_batch` for the rest."""
-        if self.world_size == 1:
-            return len(micros)
-        t = torch.tensor([len(micros)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
+        return int(self.all_reduce_max([len(micros)])[0])
 
     @staticmethod
     def dummy_micro_batch(batch: DataBatch) -> DataBatch:
@@ -290,6 +286,12 @@ class ActorWorker:
         t = torch.as_tensor(values, dtype=torch.float64).to(self.device)
         if self.world_size > 1:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.cpu()
+
+    def all_reduce_max(self, values: list[float] | torch.Tensor) -> torch.Tensor:
+        t = torch.as_tensor(values, dtype=torch.float64).to(self.device)
+        if self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.cpu()
 
     def update_policy(self, batch: DataBatch) -> dict[str, float]:
