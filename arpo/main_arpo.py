@@ -43,9 +43,6 @@ def validate_config(cfg: DictConfig) -> None:
     if r.arpo.calculate_log_probs and not r.calculate_log_probs:
         raise ConfigError("actor_rollout_ref.rollout.arpo.calculate_log_probs is ignored in training: set "
                           "actor_rollout_ref.rollout.calculate_log_probs=true instead")
-    if r.calculate_log_probs and r.mode == "agent_loop":
-        raise ConfigError("actor_rollout_ref.rollout.calculate_log_probs=true: the agent loops do not record the "
-                          "rollout's log-probs yet; use actor_rollout_ref.rollout.mode=arpo or single")
     temperature = rollout_temperature(cfg)
     if r.calculate_log_probs and temperature != 1.0 and r.logprobs_mode != "processed_logprobs":
         raise ConfigError(f"actor_rollout_ref.rollout.calculate_log_probs=true at temperature {temperature}: "
@@ -170,7 +167,8 @@ def build_rollout(cfg: DictConfig, engine: Any, tokenizer: Any, tools: Any):
     from arpo.agent_loop.manager import AgentLoopConfig, AgentLoopManager
 
     return AgentLoopManager([engine], tokenizer, AgentLoopConfig.load(
-        OmegaConf.to_container(cfg.agent_loop, resolve=True)), tools=list(tools.values()))
+        OmegaConf.to_container(cfg.agent_loop, resolve=True)), tools=list(tools.values()),
+        calculate_log_probs=bool(r.calculate_log_probs))
 
 
 def announce(cfg: DictConfig) -> None:

@@ -55,7 +55,8 @@ class ARPOAgentLoop(AgentLoopBase):
         derive from both, as in the batch rollout); ``rollout_overrides``: config keys for this call."""
         cfg = dataclasses.replace(self.cfg, **{
             "n": n, "temperature": sampling_params.temperature, "top_p": sampling_params.top_p,
-            "top_k": sampling_params.top_k, **(rollout_overrides or {})}).validate()
+            "top_k": sampling_params.top_k, "calculate_log_probs": self.ctx.calculate_log_probs,
+            **(rollout_overrides or {})}).validate()
         seed = call_seed if call_seed is not None else (sampling_params.seed if sampling_params.seed is not None
                                                         else cfg.seed)
         prompt = self.ctx.templater.prompt_ids(messages, with_tools=False)
@@ -74,5 +75,5 @@ class ARPOAgentLoop(AgentLoopBase):
             num_turns=2 * t.extra["num_tool_calls"] + 2,  # verl's count: user + assistant + tool
             metrics=timing, finish_reason=t.finish_reason,
             tool_calls=t.tool_calls, token_entropy=t.token_entropy, parent=t.parent, branch_pos=t.branch_pos,
-            extra=dict(t.extra),
+            extra=dict(t.extra), rollout_log_probs=t.rollout_log_probs,
         ) for t in trajectories]

@@ -104,6 +104,8 @@ class AgentLoopOutput:
     #: response tokens shared with the parent.
     branch_pos: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    #: the engine's log-prob of each response token (0 on tool results), with calculate_log_probs
+    rollout_log_probs: list[float] | None = None
 
     def to_trajectory(self, group: int, parent_row: int, max_response_length: int | None = None) -> Trajectory:
         response = self.response_ids[:max_response_length] if max_response_length else self.response_ids
@@ -116,6 +118,8 @@ class AgentLoopOutput:
             parent=parent_row,
             branch_pos=min(self.branch_pos, len(response)),
             token_entropy=entropy,
+            rollout_log_probs=(list(self.rollout_log_probs[: len(response)]) if self.rollout_log_probs is not None
+                               else None),
             tool_calls=list(self.tool_calls),
             finish_reason=self.finish_reason,
             extra={"num_turns": self.num_turns, **self.extra},
@@ -135,6 +139,8 @@ class AgentLoopContext:
     response_length: int
     #: the one tool-execution path of every rollout mode (retries, timeouts, error texts, truncation)
     tool_executor: "ToolExecutor"
+    #: record the engine's log-prob of every sampled token (actor_rollout_ref.rollout.calculate_log_probs)
+    calculate_log_probs: bool = False
 
 
 class AgentLoopBase(ABC):

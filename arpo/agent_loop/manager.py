@@ -97,7 +97,7 @@ class AgentLoopManager:
     """Trainer-facing entry point of the agent-loop path (see the package docstring for the layering)."""
 
     def __init__(self, servers: Sequence[Any], tokenizer: Any, config: AgentLoopConfig | None = None,
-                 tools: Sequence[BaseTool] = ()):
+                 tools: Sequence[BaseTool] = (), calculate_log_probs: bool = False):
         self.config = config or AgentLoopConfig.load()
         self.tokenizer = tokenizer
         tool_map: dict[str, BaseTool] = {}
@@ -119,6 +119,7 @@ class AgentLoopManager:
             multi_turn=self.config.multi_turn,
             response_length=self.config.response_length,
             tool_executor=self._tool_executor,
+            calculate_log_probs=calculate_log_probs,
         )
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad is None:

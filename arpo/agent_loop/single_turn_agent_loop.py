@@ -7,7 +7,7 @@ import uuid
 from typing import Any
 
 from arpo.agent_loop.base import AgentLoopBase, AgentLoopOutput, register
-from arpo.engine.base import SamplingParams
+from arpo.engine.base import SamplingParams, sampled_log_probs
 
 
 @register("single_turn_agent")
@@ -20,6 +20,8 @@ class SingleTurnAgentLoop(AgentLoopBase):
         prompt_ids = ctx.templater.prompt_ids(messages, with_tools=False)
         session = uuid.uuid4().hex
         params = sampling_params.with_(max_tokens=min(sampling_params.max_tokens, ctx.response_length))
+        if ctx.calculate_log_probs and params.logprobs is None:
+            params = params.with_(logprobs=0)  # the sampled token's log-prob only
         start = time.perf_counter()
         out = await ctx.server_manager.generate(session, prompt_ids, params)
         elapsed = time.perf_counter() - start
@@ -32,4 +34,5 @@ class SingleTurnAgentLoop(AgentLoopBase):
             num_turns=2,
             metrics={"generate_sequences": elapsed, "tool_calls": 0.0},
             finish_reason=out.finish_reason,
+            rollout_log_probs=(sampled_log_probs(response, out.logprobs) if ctx.calculate_log_probs else None),
         )

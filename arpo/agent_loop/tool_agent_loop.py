@@ -17,7 +17,7 @@ from typing import Any
 from arpo.agent_loop.base import AgentLoopBase, AgentLoopContext, AgentLoopOutput, register
 from arpo.agent_loop.tool_parsers import ParsedCall, make_tool_parser
 from arpo.rollout.tool_executor import truncate_text
-from arpo.engine.base import GenerationOutput, SamplingParams
+from arpo.engine.base import GenerationOutput, SamplingParams, sampled_log_probs
 from arpo.protocol import format_tool_result
 
 
@@ -34,10 +34,14 @@ class Conversation:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=lambda: {"generate_sequences": 0.0, "tool_calls": 0.0})
     finish_reason: str = ""
+    #: the engine's log-prob of each response token (0 on tool results); None unless calculate_log_probs
+    rollout_log_probs: list[float] | None = None
 
-    def append(self, ids: list[int], model_generated: bool) -> None:
+    def append(self, ids: list[int], model_generated: bool, log_probs: list[float] | None = None) -> None:
         self.response_ids.extend(ids)
         self.response_mask.extend([1 if model_generated else 0] * len(ids))
+        if self.rollout_log_probs is not None:
+            self.rollout_log_probs.extend(log_probs if log_probs is not None else [0.0] * len(ids))
 
     def to_output(self, response_length: int) -> AgentLoopOutput:
         return AgentLoopOutput(
@@ -48,6 +52,8 @@ class Conversation:
             metrics=dict(self.metrics),
             finish_reason=self.finish_reason,
             tool_calls=self.tool_calls,
+            rollout_log_probs=(self.rollout_log_probs[:response_length] if self.rollout_log_probs is not None
+                               else None),
         )
 
 
@@ -79,10 +85,13 @@ class ToolAgentLoop(AgentLoopBase):
 
     def start(self, messages: list[dict[str, Any]]) -> Conversation:
         with_tools = self.format == "hermes"
-        return Conversation(uuid.uuid4().hex, self.ctx.templater.prompt_ids(messages, with_tools=with_tools))
+        return Conversation(uuid.uuid4().hex, self.ctx.templater.prompt_ids(messages, with_tools=with_tools),
+                            rollout_log_probs=[] if self.ctx.calculate_log_probs else None)
 
     def sampling_params(self, base: SamplingParams) -> SamplingParams:
         stops = tuple(dict.fromkeys((*base.stop, *self.parser.stop_strings)))
+        if self.ctx.calculate_log_probs and base.logprobs is None:
+            base = base.with_(logprobs=0)  # the sampled token's log-prob only
         return base.with_(stop=stops)
 
     # ----------------------------------------------------------------------------------- steps
@@ -95,7 +104,8 @@ class ToolAgentLoop(AgentLoopBase):
         out = await self.ctx.server_manager.generate(conv.session_id, conv.prompt_ids + conv.response_ids,
                                                      turn_params)
         conv.metrics["generate_sequences"] += time.perf_counter() - start
-        conv.append(list(out.token_ids), model_generated=True)
+        log_probs = sampled_log_probs(out.token_ids, out.logprobs) if conv.rollout_log_probs is not None else None
+        conv.append(list(out.token_ids), model_generated=True, log_probs=log_probs)
         conv.assistant_turns += 1
         return out
 

@@ -55,6 +55,15 @@ class GenerationOutput:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+def sampled_log_probs(token_ids: list[int], logprobs: list[dict[int, float]] | None) -> list[float]:
+    """The log-prob of each sampled token from a request's per-token logprobs (rollout correction's
+    ``rollout_log_probs``); an engine that left one out is an error, not a silent 0."""
+    steps = logprobs or []
+    if len(steps) < len(token_ids) or any(t not in lp for t, lp in zip(token_ids, steps)):
+        raise RuntimeError("calculate_log_probs: the engine returned no log-prob for a sampled token")
+    return [lp[t] for t, lp in zip(token_ids, steps)]
+
+
 @runtime_checkable
 class GenerationEngine(Protocol):
     """Async token-in-token-out engine."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from arpo.batch import Trajectory
-from arpo.engine.base import GenerationOutput
+from arpo.engine.base import GenerationOutput, sampled_log_probs
 from arpo.protocol import TOOL_TAGS, ToolCall, format_tool_result, parse_trailing_tool_call
 from arpo.rollout.branch import Branch, Phase
 from arpo.rollout.branch_slots import CallRates, ForkLookahead, GroupSlots, canonical
@@ -131,11 +131,7 @@ class RolloutTree:
         # per-token entropy is an output only with return_entropy; decisions use the window's logprobs
         scored = lps if self.cfg.return_entropy else []
         entropy = [token_entropy(lp) / self.log_v for lp in scored] + [math.nan] * (len(ids) - len(scored))
-        log_probs = None
-        if self.cfg.calculate_log_probs:
-            if len(lps) < len(ids) or any(t not in lp for t, lp in zip(ids, lps)):
-                raise RuntimeError("calculate_log_probs: the engine returned no log-prob for a sampled token")
-            log_probs = [lp[t] for t, lp in zip(ids, lps)]
+        log_probs = sampled_log_probs(ids, lps) if self.cfg.calculate_log_probs else None
         b.append(ids, model=True, entropy=entropy, log_probs=log_probs)
         b.seg_logprobs.extend(lps[: max(0, self.bcfg.window - len(b.seg_logprobs))])
         self.m.count["tokens_generated"] += len(ids)

@@ -41,12 +41,14 @@ def messages(n_prompts: int) -> list[list[dict]]:
     return [[{"role": "user", "content": f"Question {i}: what is the number?"}] for i in range(n_prompts)]
 
 
-def agent_loop_batch(tokenizer, engines, cfg: dict, n_prompts: int, seed: int = SEED) -> DataBatch:
+def agent_loop_batch(tokenizer, engines, cfg: dict, n_prompts: int, seed: int = SEED,
+                     calculate_log_probs: bool = False) -> DataBatch:
     config = AgentLoopConfig.load({"response_length": cfg["max_response_length"], "multi_turn": TOOLS,
                                    "default_agent_loop": "arpo_agent", "agents": [
                                        {"name": "arpo_agent", "_target_": "arpo.agent_loop.arpo_agent_loop.ARPOAgentLoop",
                                         "rollout": cfg}]})
-    manager = AgentLoopManager(engines, tokenizer, config, [FakeSearch(), FakePython()])
+    manager = AgentLoopManager(engines, tokenizer, config, [FakeSearch(), FakePython()],
+                               calculate_log_probs=calculate_log_probs)
     prompts = DataBatch({}, {"raw_prompt": messages(n_prompts)}, {"seed": seed})
     try:
         return manager.generate_sequences(prompts, n=cfg["n"], sampling_params=SamplingParams(
@@ -146,3 +148,18 @@ def test_bad_config_names_the_key(tokenizer):
             ARPOAgentLoop(manager.context)
     finally:
         manager.close()
+
+
+def test_the_agent_loop_records_the_batch_rollouts_log_probs(tokenizer):
+    """actor_rollout_ref.rollout.calculate_log_probs reaches the agent loop through its manager."""
+    import torch
+
+    cfg = {"n": 6, "initial_rollouts": 2, "branch_probability": 0.7, "tool_call_limit": 2, "max_response_length": 200}
+    policy = ScriptPolicy(call_prob=0.8, call_decay=0.15)
+    expected = batch_rollout(tokenizer, ScriptedEngine(tokenizer, policy), {**cfg, "calculate_log_probs": True},
+                             n_prompts=2)
+    got = agent_loop_batch(tokenizer, [ShuffledEngine(tokenizer, 3, policy=policy)], cfg, n_prompts=2,
+                           calculate_log_probs=True)
+    assert tree(got) == tree(expected)
+    assert torch.equal(got["rollout_log_probs"], expected["rollout_log_probs"])
+    assert (got["rollout_log_probs"][got["response_mask"].bool()] < 0).all()

@@ -205,3 +205,18 @@ def test_single_turn_loop(tokenizer):
     manager.close()
     assert out.response_ids == engine.requests[0].output_ids and set(out.response_mask) == {1}
     assert out.num_turns == 2 and "<tools>" not in tokenizer.decode(out.prompt_ids)
+
+
+@pytest.mark.parametrize("name", ["tool_agent", "single_turn_agent"])
+def test_calculate_log_probs_records_each_model_tokens_log_prob_and_zero_on_tool_results(tokenizer, name):
+    engine = ScriptedEngine(tokenizer, replies=[CALL, ANSWER])
+    manager = make_manager(tokenizer, engine, [EchoSearch()])
+    manager.context.calculate_log_probs = True  # AgentLoopManager(calculate_log_probs=True) in training
+    out = run_loop(manager, name=name)
+    manager.close()
+    assert all(r.sampling_params.logprobs == 0 for r in engine.requests)  # the sampled token's only
+    assert len(out.rollout_log_probs) == len(out.response_ids)
+    assert (0 in out.response_mask) == (name == "tool_agent")  # the tool loop's response holds a tool result
+    assert all((lp < 0) == (m == 1) for lp, m in zip(out.rollout_log_probs, out.response_mask))
+    traj = out.to_trajectory(group=0, parent_row=-1)
+    assert traj.rollout_log_probs == out.rollout_log_probs

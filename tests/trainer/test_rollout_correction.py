@@ -104,8 +104,6 @@ def test_recorded_log_probs_are_the_trainers_for_the_same_model(tiny_model_dir):
     (["algorithm.rollout_correction.rollout_is=turn"], "rollout_correction.rollout_is='turn' is not valid"),
     (["actor_rollout_ref.rollout.calculate_log_probs=true", "algorithm.rollout_correction.rollout_is=token",
       "algorithm.rollout_correction.rollout_is_threshold=0"], "rollout_is_threshold must be a number > 0"),
-    (["actor_rollout_ref.rollout.calculate_log_probs=true", "actor_rollout_ref.rollout.mode=agent_loop"],
-     "the agent loops do not record"),
     (["actor_rollout_ref.rollout.calculate_log_probs=true", "actor_rollout_ref.rollout.arpo.temperature=0.7"],
      "logprobs_mode=processed_logprobs"),
     (["actor_rollout_ref.rollout.arpo.calculate_log_probs=true"], "set actor_rollout_ref.rollout.calculate_log_probs"),
