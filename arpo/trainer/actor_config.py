@@ -70,9 +70,12 @@ def needs_old_log_prob_pass(cfg: Any) -> bool:
     Not when the update is on-policy (one mini-batch per step: ``ppo_mini_batch_size`` =
     ``data.train_batch_size``, and ``ppo_epochs`` = 1): the update then uses its own detached log-probs
     (ratio exactly 1, as verl's dp_actor does) and reports ``actor/entropy`` itself. KL in the reward reads
-    the old log-probs before the advantages, so it always needs the pass."""
+    the old log-probs before the advantages, and AEPO's entropy-balanced advantage its entropies, so both
+    always need the pass."""
     if cfg_get(cfg, "algorithm.use_kl_in_reward", False):
         return True
+    if cfg_get(cfg, "actor_rollout_ref.actor.enable_entropy_balanced_advantage", False):
+        return True  # the advantage needs the sampling policy's token entropies before the update
     epochs = int(cfg_get(cfg, "actor_rollout_ref.actor.ppo_epochs", 1))
     mini = int(cfg_get(cfg, "actor_rollout_ref.actor.ppo_mini_batch_size", 1))
     return not (epochs == 1 and mini == int(cfg_get(cfg, "data.train_batch_size", 1)))

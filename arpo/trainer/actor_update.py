@@ -108,6 +108,7 @@ def ppo_update(worker: "ActorWorker", batch: DataBatch) -> dict[str, float]:
     clip = actor("clip_ratio", 0.2)
     clip_low, clip_high = actor("clip_ratio_low", clip), actor("clip_ratio_high", clip)
     clip_c = float(actor("clip_ratio_c", 3.0))
+    balanced_clip = bool(actor("enable_entropy_balanced_clipping", False))
     entropy_coeff = float(actor("entropy_coeff", 0.0))
     kl_coef, kl_type = float(actor("kl_loss_coef", 0.0)), actor("kl_loss_type", "low_var_kl")
     micro_size = int(actor("ppo_micro_batch_size_per_gpu", 1))
@@ -169,7 +170,7 @@ def ppo_update(worker: "ActorWorker", batch: DataBatch) -> dict[str, float]:
                     old_log_prob=old_log_prob, log_prob=log_prob,
                     advantages=micro["advantages"].to(dev), response_mask=mask,
                     cliprange=clip, cliprange_low=clip_low, cliprange_high=clip_high, clip_ratio_c=clip_c,
-                    loss_agg_mode=mode, rollout_is_weights=weights, **agg)
+                    loss_agg_mode=mode, rollout_is_weights=weights, entropy_balanced_clipping=balanced_clip, **agg)
                 loss = pg_loss
                 if entropy_coeff != 0:
                     loss = loss - entropy_coeff * core_algos.agg_loss(entropy, mask, mode, **agg)

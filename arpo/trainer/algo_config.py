@@ -90,6 +90,13 @@ def validate_algorithm_config(cfg: Any) -> None:
     c = _get(cfg, "actor_rollout_ref.actor.clip_ratio_c", 3.0)
     if not c > 1:
         raise ValueError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1 (dual-clip cap), got {c!r}")
+    for key in ("enable_entropy_balanced_clipping", "enable_entropy_balanced_advantage"):
+        if not isinstance(_get(cfg, f"actor_rollout_ref.actor.{key}", False), bool):
+            raise ValueError(f"actor_rollout_ref.actor.{key} must be true or false, got "
+                             f"{_get(cfg, f'actor_rollout_ref.actor.{key}')!r}")
+    alpha = _get(cfg, "actor_rollout_ref.actor.entropy_advantage_alpha", 0.2)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha < 0:
+        raise ValueError(f"actor_rollout_ref.actor.entropy_advantage_alpha must be a number >= 0, got {alpha!r}")
     chunk = _get(cfg, "actor_rollout_ref.actor.logprob_chunk_size", DEFAULT_CHUNK_SIZE)
     if not (isinstance(chunk, int) and chunk >= 1):
         raise ValueError(f"actor_rollout_ref.actor.logprob_chunk_size must be a positive integer, got {chunk!r}")

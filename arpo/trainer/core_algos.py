@@ -145,6 +145,7 @@ def compute_policy_loss(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
     rollout_is_weights: torch.Tensor | None = None,
+    entropy_balanced_clipping: bool = False,
     **agg_kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate with asymmetric clipping and dual clip (verl's vanilla policy loss).
@@ -156,7 +157,10 @@ def compute_policy_loss(
     ``clip_ratio``). ``agg_kwargs`` (``dp_size``, ``batch_num_tokens``, ``global_batch_size``,
     ``loss_scale_factor``: verl's ``config.global_batch_info``) go to :func:`agg_loss`; the metrics are
     local masked means. ``rollout_is_weights`` (rollout correction, :mod:`arpo.trainer.rollout_correction`)
-    multiply each token's loss before aggregation, as in verl.
+    multiply each token's loss before aggregation, as in verl. ``entropy_balanced_clipping`` (AEPO, arXiv
+    2510.14545, and its released code): the upper bound becomes (1 + cliprange_high)·ratio/sg(ratio), the same
+    value, but a token clipped there keeps the gradient (1 + cliprange_high)·∇log p instead of none — the
+    high-entropy tokens that PPO's clip silences.
 
     Returns ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``: the fraction of tokens where the clipped
     term is active, the masked mean of old_logp − logp, and the fraction where the dual clip is active.
@@ -175,7 +179,11 @@ def compute_policy_loss(
     ppo_kl = masked_mean(-neg_kl, response_mask)
 
     loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * torch.clamp(ratio, 1 - cliprange_low, 1 + cliprange_high)
+    if entropy_balanced_clipping:
+        upper = (1 + cliprange_high) * ratio / ratio.detach()
+        loss_clipped = -advantages * torch.clamp(ratio, torch.full_like(ratio, 1 - cliprange_low), upper)
+    else:
+        loss_clipped = -advantages * torch.clamp(ratio, 1 - cliprange_low, 1 + cliprange_high)
     clip_loss = torch.maximum(loss_unclipped, loss_clipped)
     pg_clipfrac = masked_mean(torch.gt(loss_clipped, loss_unclipped).float(), response_mask)
 
@@ -188,6 +196,21 @@ def compute_policy_loss(
 
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+def compute_entropy_balanced_advantage(advantages: torch.Tensor, entropy: torch.Tensor, response_mask: torch.Tensor,
+                                       alpha: float = 0.2) -> torch.Tensor:
+    """AEPO's entropy-aware advantage: A·(1 + alpha·z), z the token entropy standardised (mean, unbiased std;
+    std 0 counts as 1) over the masked tokens, so uncertain tokens weigh more. Here the entropy is the sampling
+    policy's (the old-log-prob pass) over the whole batch; the released code standardises the update's own
+    entropy within each micro-batch, which makes the update depend on the micro-batch size and rank count."""
+    mask = response_mask.bool()
+    values = entropy.detach()[mask].double()
+    if values.numel() < 2:
+        return advantages
+    std = float(values.std()) or 1.0
+    z = (entropy.detach() - float(values.mean())) / std
+    return advantages * (1 + alpha * z) * response_mask
 
 
 def kl_penalty_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:

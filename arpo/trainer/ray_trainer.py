@@ -164,13 +164,15 @@ class RayARPOTrainer:
             # On-policy (one mini-batch, one epoch: ARPO's setting) the update takes old log-probs and
             # actor/entropy from its own forward, as verl's dp_actor does; the released ARPO code (older
             # verl) always ran this pass, which changes only float rounding.
+            old_entropy = None
             if needs_old_log_prob_pass(cfg):
                 with timer.phase("old_log_prob"):
                     out = self.actor_wg.compute_log_prob(batch, calc_entropy=True)
                     batch.tensors["old_log_probs"] = out["log_probs"]
-                    if "entropy" in out:
+                    old_entropy = out.get("entropy")
+                    if old_entropy is not None:
                         m = batch.tensors["response_mask"].bool()
-                        metrics["actor/entropy"] = out["entropy"][m].mean().item() if m.any() else 0.0
+                        metrics["actor/entropy"] = old_entropy[m].mean().item() if m.any() else 0.0
             if self.ref_wg is not None:
                 with timer.phase("ref"):
                     batch.tensors["ref_log_prob"] = self.ref_wg.compute_log_prob(batch)["log_probs"]
@@ -181,6 +183,11 @@ class RayARPOTrainer:
                 else:
                     batch.tensors["token_level_rewards"] = batch.tensors["token_level_scores"]
                 batch = compute_advantage(batch, cfg)
+                actor = cfg.actor_rollout_ref.actor
+                if actor.enable_entropy_balanced_advantage:  # AEPO; needs_old_log_prob_pass made the entropies
+                    batch.tensors["advantages"] = core_algos.compute_entropy_balanced_advantage(
+                        batch.tensors["advantages"], old_entropy, batch.tensors["response_mask"],
+                        actor.entropy_advantage_alpha)
             self._dump_rollouts(batch)
             with timer.phase("update_actor"):
                 metrics.update(self.actor_wg.update_policy(batch))
