@@ -19,6 +19,12 @@ def exit_now(code: int = 0, run_exit_handlers: bool = True) -> None:
     ``run_exit_handlers=False`` when called as an exit handler itself (the ones registered after it have run;
     running them again from inside would start over with this one)."""
     if run_exit_handlers:
+        # What interpreter shutdown does before the exit handlers (threading's exit hooks): tell process pools'
+        # workers to stop. Without it multiprocessing's exit handler joins a live pool's workers forever (seen:
+        # a training run's reward pool hung its exit after the summary).
+        pools = sys.modules.get("concurrent.futures.process")
+        if pools is not None:
+            pools._python_exit()
         atexit._run_exitfuncs()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -302,6 +302,7 @@ class RayARPOTrainer:
 
     def close(self) -> None:
         shutil.rmtree(self._weights_dir, ignore_errors=True)
+        self.reward_manager.close()  # its worker processes would otherwise live until the interpreter's exit
 
 
 class TrainerCheckpointer:
