@@ -116,6 +116,11 @@ def validate_actor_config(cfg: Any) -> None:
         value = cfg_get(cfg, f"actor_rollout_ref.model.{key}", True)
         if not isinstance(value, bool):
             raise ConfigError(f"actor_rollout_ref.model.{key} must be true or false, got {value!r}")
+    attention = cfg_get(cfg, "actor_rollout_ref.model.attn_implementation", "sdpa")
+    if cfg_get(cfg, "actor_rollout_ref.model.tree_packing", True) and attention not in ("sdpa", "eager"):
+        raise ConfigError(f"actor_rollout_ref.model.tree_packing needs a kernel that takes a tree attention mask: "
+                          f"set actor_rollout_ref.model.attn_implementation=sdpa (or eager), not {attention!r}, "
+                          f"or actor_rollout_ref.model.tree_packing=false")
     strategy = cfg_get(cfg, "actor_rollout_ref.actor.strategy", "fsdp2")
     if strategy != "fsdp2":
         raise ConfigError(f"actor_rollout_ref.actor.strategy={strategy!r}: only fsdp2 is supported "

@@ -52,6 +52,19 @@ def test_share_prefix_key_must_be_a_boolean():
     assert "\n" not in str(err.value)
 
 
+def test_tree_packing_needs_a_boolean_and_a_kernel_that_takes_a_tree_mask():
+    cfg = _cfg()
+    cfg["actor_rollout_ref"]["model"]["tree_packing"] = "yes"
+    with pytest.raises(ConfigError, match="tree_packing must be true or false"):
+        validate_actor_config(cfg)
+    cfg["actor_rollout_ref"]["model"].update(tree_packing=True, attn_implementation="flash_attention_2")
+    with pytest.raises(ConfigError, match="attn_implementation=sdpa") as err:
+        validate_actor_config(cfg)
+    assert "\n" not in str(err.value)
+    cfg["actor_rollout_ref"]["model"]["tree_packing"] = False
+    validate_actor_config(cfg)
+
+
 def test_cpu_low_precision_is_autocast_and_gpu_is_fsdp_mixed_precision():
     cpu = device_settings("cpu", "bfloat16")
     assert cpu.autocast and not cpu.fsdp_mixed_precision
