@@ -7,6 +7,7 @@ advantage train end to end in the ablation smoke (tests/test_ablation.py), which
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -240,3 +241,24 @@ def test_dapo_preset_trains_on_informative_groups_of_several_rounds_on_a_joined_
             assert "actor/pg_loss" in m
     assert any(m["train/num_gen_batches"] > 1 for m in steps) or all(m["train/num_groups_kept"] == 4 for m in steps)
     assert (out / "checkpoints" / "global_step_1" / "trainer_state.pt").exists()
+
+
+@pytest.mark.slow
+def test_aepo_preset_with_sequence_level_rollout_correction_trains(sft_model_dir, tmp_path):
+    """preset=aepo end to end: AEPO's damped branching, its entropy-balanced clip and advantage (which makes the
+    old-log-prob pass run for its entropies), tree-packed actor passes, and sequence-level TIS on vLLM's
+    recorded log-probs."""
+    out = tmp_path / "aepo"
+    data = sft_model_dir.parents[1] / "data" / "synthetic"
+    r = subprocess.run(_cmd("preset=aepo", f"actor_rollout_ref.model.path={sft_model_dir}", f"synthetic.out_dir={data}",
+                            f"trainer.output_dir={out}", "trainer.logger=[console,jsonl]",
+                            "trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.val_before_train=false",
+                            "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.calculate_log_probs=true",
+                            "algorithm.rollout_correction.rollout_is=sequence"),
+                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env=_env())
+    assert r.returncode == 0, r.stderr[-4000:]
+    (m,) = [m for m in _metrics(out) if m["step"] > 0]
+    assert "timing_s/old_log_prob" in m and m["actor/entropy"] > 0  # the pass AEPO's advantage needs
+    assert abs(m["rollout_corr/kl"]) < 1e-3 and 0.9 < m["rollout_corr/rollout_is_mean"] <= 1.0 + 1e-3
+    assert 0 < m["perf/packed_token_ratio"] < 1 and m["rollout/branches"] >= 0
+    assert math.isfinite(m["actor/pg_loss"]) and m["rollout/trajectories"] == 4 * 4

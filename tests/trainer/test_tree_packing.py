@@ -233,3 +233,23 @@ def test_a_micro_batch_is_one_tree_and_a_tree_over_the_token_cap_runs_in_runs_of
                                                                                [8, 9, 10]]
     worker.tree_packing = False
     assert len(worker.micro_batches(batch, micro_size=3)) == 4
+
+
+def test_packed_tree_under_bf16_autocast_matches_the_fast_layouts_padded_forward():
+    """The low-precision layout (CPU bf16 autocast, fp32 head, only loss positions through the head): the packed
+    forward and the left-aligned padded one agree to bf16 rounding."""
+    from arpo.trainer.tree_packing import pack_micro_batch, packed_logprobs_and_entropy
+
+    model = small_model("qwen2")
+    micro = tree_micro(seed=4)
+    width = micro["responses"].shape[1]
+    loss_pos = micro["response_mask"].bool()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        packed, _ = packed_logprobs_and_entropy(model, pack_micro_batch(micro), width,
+                                                head_mask=micro["response_mask"])
+        from arpo.trainer.logprobs import compute_logprobs_and_entropy
+        padded, _ = compute_logprobs_and_entropy(model, micro["input_ids"], micro["attention_mask"],
+                                                 micro["position_ids"], width, pack=True,
+                                                 head_mask=micro["response_mask"])
+    assert torch.allclose(packed[loss_pos], padded[loss_pos], atol=5e-2, rtol=0)
+    assert not packed[~loss_pos].any()
