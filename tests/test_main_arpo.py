@@ -42,6 +42,20 @@ def _bad(model: Path, data: Path, *overrides: str) -> str:
     return lines[0]
 
 
+def start_up_config_error(model: Path, data: Path, *overrides: str) -> str:
+    """The one-line ConfigError of the training config with ``overrides`` (start-up validation, in-process; the
+    CLI's form is test_missing_model_path_names_the_key)."""
+    from arpo.config import ConfigError, load_config
+    from arpo.main_arpo import validate_config
+
+    cfg = load_config("arpo_trainer", [f"actor_rollout_ref.model.path={model}", f"synthetic.out_dir={data}",
+                                       *overrides])
+    with pytest.raises(ConfigError) as e:
+        validate_config(cfg)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
 @pytest.mark.parametrize("overrides, expect", [
     (["actor_rollout_ref.rollout.arpo.initial_rollouts=8"], "initial_rollouts"),
     (["algorithm.adv_estimator=ppo_magic"], "adv_estimator"),
@@ -52,15 +66,7 @@ def _bad(model: Path, data: Path, *overrides: str) -> str:
     (["actor_rollout_ref.rollout.arpo.mode=single"], "set actor_rollout_ref.rollout.mode=single instead"),
 ])
 def test_bad_config_fails_at_start_up_naming_the_key(tiny_model_dir, synthetic_dir, overrides, expect):
-    # in-process (start-up validation only); the CLI's one-line form is test_missing_model_path_names_the_key
-    from arpo.config import ConfigError, load_config
-    from arpo.main_arpo import validate_config
-
-    cfg = load_config("arpo_trainer", [f"actor_rollout_ref.model.path={tiny_model_dir}",
-                                       f"synthetic.out_dir={synthetic_dir}", *overrides])
-    with pytest.raises(ConfigError) as e:
-        validate_config(cfg)
-    assert expect in str(e.value) and "\n" not in str(e.value)
+    assert expect in start_up_config_error(tiny_model_dir, synthetic_dir, *overrides)
 
 
 def test_missing_model_path_names_the_key(synthetic_dir, tmp_path):

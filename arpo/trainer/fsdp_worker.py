@@ -282,17 +282,17 @@ class ActorWorker:
     # the PPO update (verl dp_actor.update_policy)
     # ------------------------------------------------------------------------------------------------
 
-    def all_reduce_sum(self, values: list[float] | torch.Tensor) -> torch.Tensor:
+    def _all_reduce(self, values: list[float] | torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
         t = torch.as_tensor(values, dtype=torch.float64).to(self.device)
         if self.world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            dist.all_reduce(t, op=op)
         return t.cpu()
 
+    def all_reduce_sum(self, values: list[float] | torch.Tensor) -> torch.Tensor:
+        return self._all_reduce(values, dist.ReduceOp.SUM)
+
     def all_reduce_max(self, values: list[float] | torch.Tensor) -> torch.Tensor:
-        t = torch.as_tensor(values, dtype=torch.float64).to(self.device)
-        if self.world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.cpu()
+        return self._all_reduce(values, dist.ReduceOp.MAX)
 
     def update_policy(self, batch: DataBatch) -> dict[str, float]:
         """PPO epochs over mini-batches over micro-batches; one optimizer step per mini-batch, one scheduler

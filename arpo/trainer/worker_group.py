@@ -103,10 +103,11 @@ def split_trees_for_ranks(batch: DataBatch, world_size: int, mini_batch_rows: in
         mb.tensors["is_pad"] = mb["is_pad"] if "is_pad" in mb.tensors else torch.zeros(len(mb), dtype=torch.long)
         trees = tree_micro_batches(mb)
         loads, dealt = [0] * world_size, [[] for _ in range(world_size)]
-        for tree in sorted(trees, key=lambda t: -unique_token_count(mb, t.tolist())):
+        sized = [(unique_token_count(mb, t.tolist()), t.tolist()) for t in trees]
+        for tokens, tree in sorted(sized, key=lambda st: -st[0]):  # stable: equal sizes keep their order
             rank = loads.index(min(loads))
-            loads[rank] += unique_token_count(mb, tree.tolist())
-            dealt[rank].extend(tree.tolist())
+            loads[rank] += tokens
+            dealt[rank].extend(tree)
         for rank in range(world_size):
             chosen = sorted(dealt[rank]) or [len(mb) - 1]
             share = mb.index(chosen)

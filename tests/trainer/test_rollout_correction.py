@@ -109,11 +109,6 @@ def test_recorded_log_probs_are_the_trainers_for_the_same_model(tiny_model_dir):
     (["actor_rollout_ref.rollout.arpo.calculate_log_probs=true"], "set actor_rollout_ref.rollout.calculate_log_probs"),
 ])
 def test_bad_rollout_correction_config_is_one_line_naming_the_key(tiny_model_dir, synthetic_dir, overrides, expect):
-    from arpo.config import ConfigError, load_config
-    from arpo.main_arpo import validate_config
+    from tests.test_main_arpo import start_up_config_error
 
-    cfg = load_config("arpo_trainer", [f"actor_rollout_ref.model.path={tiny_model_dir}",
-                                       f"synthetic.out_dir={synthetic_dir}", *overrides])
-    with pytest.raises(ConfigError) as e:
-        validate_config(cfg)
-    assert expect in str(e.value) and "\n" not in str(e.value)
+    assert expect in start_up_config_error(tiny_model_dir, synthetic_dir, *overrides)
