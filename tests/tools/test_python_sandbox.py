@@ -454,8 +454,10 @@ def test_closing_its_output_does_not_escape_the_deadline(cfg):
 
 CALLER = r"""
 import sys
-from tools.python_sandbox import SandboxConfig, execute
+from tools.python_sandbox import SandboxConfig, execute, resolve_isolation
 cfg = SandboxConfig(isolation=sys.argv[1], uid_base=int(sys.argv[2]), timeout_s=120, cpu_time_s=120)
+resolve_isolation(cfg)  # the probe runs under a sandbox uid too; its process must not pass for the program
+print("probed", flush=True)
 execute("while True:\n    pass\n", config=cfg)
 """
 
@@ -492,8 +494,9 @@ def test_nothing_outlives_a_killed_caller(mode):
     if chosen != mode:
         pytest.skip(f"{mode} unusable here: {note}")
     caller = subprocess.Popen([sys.executable, "-c", CALLER, mode, str(UID_BASE)], cwd=REPO_ROOT,
-                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, stdout=subprocess.PIPE, text=True)
     try:
+        assert caller.stdout.readline().strip() == "probed", f"the caller failed (exit code: {caller.wait()})"
         deadline = time.monotonic() + 120  # a busy 2-core machine (the suite runs two workers) starts it slowly
         while not _sandbox_processes() and time.monotonic() < deadline and caller.poll() is None:
             time.sleep(0.1)
