@@ -20,6 +20,7 @@ STEP_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("branches", "rollout/branches", "{:.0f}"),
     ("dH", "rollout/entropy/delta_mean", "{:+.4f}"),
     ("pg_loss", "actor/pg_loss", "{:+.4f}"),
+    ("vf_loss", "critic/vf_loss", "{:.4f}"),                  # PPO with a critic (algorithm.adv_estimator=gae)
     ("groups kept", "train/num_groups_kept", "{:.0f}"),       # dynamic sampling (algorithm.filter_groups)
     ("gen rounds", "train/num_gen_batches", "{:.0f}"),
     ("val_acc", "val-core/all/acc/mean", "{:.3f}"),

@@ -26,7 +26,7 @@ ROLLOUT_MODES = ("arpo", "single", "agent_loop")
 def validate_config(cfg: DictConfig) -> None:
     """Every cross-key rule, checked before anything starts; each failure is one line naming keys and fix."""
     from arpo.rollout.config import ARPORolloutConfig
-    from arpo.trainer.actor_config import rollout_temperature, validate_actor_config
+    from arpo.trainer.actor_config import rollout_temperature, validate_actor_config, validate_critic_config
     from arpo.trainer.algo_config import validate_algorithm_config
     from reward_fns.overlong import OverlongBuffer
 
@@ -60,6 +60,7 @@ def validate_config(cfg: DictConfig) -> None:
         arpo_cfg = ARPORolloutConfig.from_dict(r.arpo)
         validate_algorithm_config(cfg)
         validate_actor_config(cfg)
+        validate_critic_config(cfg)
         OverlongBuffer.from_config(cfg.reward.get("overlong_buffer"), cfg.data.max_response_length)
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -79,8 +80,15 @@ def needs_reference(cfg: DictConfig) -> bool:
     return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
 
 
+def worker_groups(cfg: DictConfig) -> list[str]:
+    """The FSDP2 worker groups the config needs: the actor, the reference (a KL term), the critic (GAE)."""
+    from arpo.trainer.actor_config import uses_critic
+
+    return ["actor"] + ["ref"] * needs_reference(cfg) + ["critic"] * uses_critic(cfg)
+
+
 def ray_cpus_needed(cfg: DictConfig) -> float:
-    groups = 2 if needs_reference(cfg) else 1
+    groups = len(worker_groups(cfg))
     ranks = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     return groups * ranks * float(cfg.trainer.cpus_per_worker) + 1
 
@@ -92,7 +100,7 @@ def require_cpus(cfg: DictConfig, have: float, where: str, fix: str) -> None:
     if needed > have:
         raise ConfigError(f"{where} {have:g} CPUs, fewer than the {needed:g} the actors ask for (trainer.nnodes x "
                           f"trainer.n_gpus_per_node x trainer.cpus_per_worker per worker group, "
-                          f"{'actor + ref' if needs_reference(cfg) else 'actor'}, + 1 for the engine): {fix}")
+                          f"{' + '.join(worker_groups(cfg))}, + 1 for the engine): {fix}")
 
 
 def check_cluster_fits(cfg: DictConfig) -> None:
@@ -125,34 +133,33 @@ def build_trainer(cfg: DictConfig):
     init_ray(cfg)
     check_cluster_fits(cfg)
     tools = load_tools(cfg.tools)
-    engine, actor_wg, ref_wg = _start_engine_and_workers(cfg, create_engine, RayWorkerGroup)
+    engine, groups = _start_engine_and_workers(cfg, create_engine, RayWorkerGroup)
     rollout = build_rollout(cfg, engine, tokenizer, tools)
     reward_manager = RewardManager.from_config(cfg)
     tracker = Tracking(t.project_name, t.experiment_name, list(t.logger), Path(t.output_dir) / "logs",
                        config=OmegaConf.to_container(cfg, resolve=True), wandb_mode=t.wandb_mode)
     checkpointer = TrainerCheckpointer(t.default_local_dir, t.resume_mode, t.resume_from_path,
                                        t.max_actor_ckpt_to_keep)
-    trainer = RayARPOTrainer(cfg, tokenizer, train_loader, val_loader, rollout, actor_wg, ref_wg, engine,
-                             reward_manager, tracker, checkpointer)
+    trainer = RayARPOTrainer(cfg, tokenizer, train_loader, val_loader, rollout, groups["actor"], groups.get("ref"),
+                             engine, reward_manager, tracker, checkpointer, critic_wg=groups.get("critic"))
     return trainer
 
 
-def _start_engine_and_workers(cfg: DictConfig, create_engine, worker_group) -> tuple[Any, Any, Any]:
-    """The rollout engine and the actor (and reference) ranks. On CPU their start-ups (process spawns, imports,
-    model loads; ~10 s each here) run at once. On a GPU they start one after another, as in verl: vLLM sizes its
-    KV cache from the memory free while it profiles, which ranks loading beside it would change."""
+def _start_engine_and_workers(cfg: DictConfig, create_engine, worker_group) -> tuple[Any, dict[str, Any]]:
+    """The rollout engine and the worker groups by role (:func:`worker_groups`). On CPU their start-ups (process
+    spawns, imports, model loads; ~10 s each here) run at once. On a GPU they start one after another, as in verl:
+    vLLM sizes its KV cache from the memory free while it profiles, which ranks loading beside it would change."""
     import ray
 
+    roles = worker_groups(cfg)
     device = cfg.trainer.device
     if device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0):
         engine = create_engine(cfg)
-        return (engine, worker_group(cfg, role="actor"),
-                worker_group(cfg, role="ref") if needs_reference(cfg) else None)
-    with ThreadPoolExecutor(3, thread_name_prefix="start-up") as pool:
+        return engine, {role: worker_group(cfg, role=role) for role in roles}
+    with ThreadPoolExecutor(1 + len(roles), thread_name_prefix="start-up") as pool:
         engine = pool.submit(create_engine, cfg)
-        actor = pool.submit(worker_group, cfg, role="actor")
-        ref = pool.submit(worker_group, cfg, role="ref") if needs_reference(cfg) else None
-        return engine.result(), actor.result(), ref.result() if ref is not None else None
+        groups = {role: pool.submit(worker_group, cfg, role=role) for role in roles}
+        return engine.result(), {role: g.result() for role, g in groups.items()}
 
 
 def build_rollout(cfg: DictConfig, engine: Any, tokenizer: Any, tools: Any):

@@ -18,7 +18,7 @@ Suites (every variant: same data, steps, seeds and budget M = ``actor_rollout_re
 - ``policy``: the rollout policy at the same budget: GRPO sampling (the baseline), ARPO, AEPO and Tree-GRPO
   (``actor_rollout_ref.rollout.arpo.policy``; Tree-GRPO with its own advantage, ``adv_estimator=tree_grpo``).
 - ``baselines``: the paper's RL baselines, each a preset (``configs/preset/``): GRPO (the baseline), DAPO,
-  REINFORCE++ and ARPO.
+  REINFORCE++, PPO with a critic and ARPO.
 
 Variants are presets (``preset=<name>``) where one exists, so a suite runs exactly what a user
 running ``python -m arpo.main_arpo preset=<name>`` gets.
@@ -131,10 +131,11 @@ SUITES = {s.name: s for s in (
         Variant("tree_grpo", ("preset=tree_grpo",)),
     ), baseline="grpo"),
     Suite("baselines", "The paper's RL baselines at the same budget M: GRPO, DAPO (dynamic sampling generates more "
-                       "rounds per step: train/num_gen_batches), REINFORCE++, ARPO", (
+                       "rounds per step: train/num_gen_batches), REINFORCE++, PPO with a critic (GAE), ARPO", (
         GRPO,
         Variant("dapo", ("preset=dapo",)),
         Variant("reinforce_plus_plus", ("preset=reinforce_plus_plus",)),
+        Variant("ppo", ("preset=ppo",)),
         ARPO_PRESET,
     ), baseline="grpo"),
 )}

@@ -2,6 +2,8 @@
 
     python experiments/bench_algos.py [--groups 128 --group-size 16 --response-length 4096]
                                       [--adv-prompts 64 --adv-group-size 8] [--parts group_advantages,...]
+    python experiments/bench_algos.py --parts gae,value_loss --adv-prompts 4 --adv-group-size 4 \
+        --response-length 64 --repeats 1                                          # smoke: the critic's parts
     python experiments/bench_algos.py --parts hard_advantage,group_advantages --groups 4 --group-size 4 \\
         --response-length 64 --adv-prompts 4 --adv-group-size 4 --repeats 1     # smoke: seconds
 
@@ -11,7 +13,10 @@
 * the group advantage estimators, loop forms (grpo, rloo: one group at a time) against the vectorized
   forms (grpo_vectorized, rloo_vectorized: scatter-adds), on --adv-prompts x --adv-group-size rows of
   --response-length tokens with uid labels, in ms per call (median of --repeats), with the largest
-  difference between the two forms' advantages.
+  difference between the two forms' advantages;
+* the critic's side on the same --adv-prompts x --adv-group-size rows of --response-length tokens, with
+  tool-result gaps in the mask: GAE (a Python loop over the positions) and the clipped value loss, forward
+  and forward + backward, in ms per call (median of --repeats).
 """
 
 from __future__ import annotations
@@ -123,7 +128,57 @@ def bench_group_advantages(prompts: int, group_size: int, t_len: int, repeats: i
     return result
 
 
-PARTS = ("hard_advantage", "logprobs", "group_advantages")
+def critic_batch(rows: int, t_len: int, seed: int = 0) -> dict:
+    """Rewards on each row's last token, random values / returns / predictions and a mask of responses of
+    random length, each with up to two tool results (mask 0) of t_len/64 to t_len/16 tokens in it."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(t_len // 8, t_len + 1, (rows,), generator=gen)
+    pos = torch.arange(t_len).unsqueeze(0)
+    mask = (pos < lengths.unsqueeze(1)).float()
+    for _ in range(2):
+        start = (torch.rand(rows, 1, generator=gen) * (lengths.unsqueeze(1) - 1)).long()
+        width = torch.randint(max(1, t_len // 64), max(2, t_len // 16) + 1, (rows, 1), generator=gen)
+        mask[(pos >= start) & (pos < start + width)] = 0
+    last = torch.where(mask.bool(), pos, -1).amax(dim=1).clamp_min(0)
+    rewards = torch.zeros(rows, t_len)
+    rewards[torch.arange(rows), last] = (torch.rand(rows, generator=gen) > 0.5).float()
+    values = torch.randn(rows, t_len, generator=gen)
+    returns = values + torch.randn(rows, t_len, generator=gen) * 0.8
+    vpreds = returns + torch.randn(rows, t_len, generator=gen) * 0.3
+    return {"rewards": rewards, "mask": mask, "values": values, "returns": returns, "vpreds": vpreds}
+
+
+def bench_gae(prompts: int, group_size: int, t_len: int, repeats: int = 5) -> dict:
+    """GAE (gamma 1, lam 0.95) on a (rows, T) batch with tool gaps: one backward pass over T positions."""
+    b = critic_batch(prompts * group_size, t_len)
+    fn = core_algos.get_adv_estimator_fn("gae")
+    ms = _median_ms(lambda: fn(token_level_rewards=b["rewards"], values=b["values"], response_mask=b["mask"],
+                               gamma=1.0, lam=0.95), repeats)
+    return {"rows": prompts * group_size, "response_length": t_len, "mask_fraction": round(float(b["mask"].mean()), 3),
+            "repeats": repeats, "ms": ms}
+
+
+def bench_value_loss(prompts: int, group_size: int, t_len: int, repeats: int = 5) -> dict:
+    """The clipped value loss (token-mean, cliprange_value 0.2) on a (rows, T) batch: forward, forward + backward."""
+    b = critic_batch(prompts * group_size, t_len)
+    vpreds = b["vpreds"].clone().requires_grad_(True)
+
+    def forward():
+        return core_algos.compute_value_loss(vpreds, b["returns"], b["values"], b["mask"], 0.2)
+
+    def forward_backward():
+        vf_loss, _ = forward()
+        vf_loss.backward()
+        vpreds.grad = None
+
+    with torch.no_grad():
+        forward_ms = _median_ms(forward, repeats)
+    _, clipfrac = forward()
+    return {"rows": prompts * group_size, "response_length": t_len, "repeats": repeats, "forward_ms": forward_ms,
+            "forward_backward_ms": _median_ms(forward_backward, repeats), "vf_clipfrac": round(float(clipfrac), 3)}
+
+
+PARTS = ("hard_advantage", "logprobs", "group_advantages", "gae", "value_loss")
 
 
 def main() -> None:
@@ -134,7 +189,8 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--adv-prompts", type=int, default=64, help="group_advantages: prompts (groups)")
     parser.add_argument("--adv-group-size", type=int, default=8, help="group_advantages: rows per prompt")
-    parser.add_argument("--repeats", type=int, default=5, help="group_advantages: timed calls per form")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="group_advantages, gae, value_loss: timed calls per form")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
     args = parser.parse_args()
     parts = [p for p in args.parts.split(",") if p]
@@ -150,6 +206,11 @@ def main() -> None:
     if "group_advantages" in parts:
         result["group_advantages"] = bench_group_advantages(args.adv_prompts, args.adv_group_size,
                                                             args.response_length, repeats=args.repeats)
+    if "gae" in parts:
+        result["gae"] = bench_gae(args.adv_prompts, args.adv_group_size, args.response_length, args.repeats)
+    if "value_loss" in parts:
+        result["value_loss"] = bench_value_loss(args.adv_prompts, args.adv_group_size, args.response_length,
+                                                args.repeats)
     result["torch_threads"] = torch.get_num_threads()
     print(json.dumps(result))
 

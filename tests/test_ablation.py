@@ -69,7 +69,8 @@ def test_seeds_and_overrides_are_separated_by_double_dash():
     ("policy", {"grpo": ("single", "soft", 0.2, "code"), "arpo": ("arpo", "soft", 0.2, "code"),
                 "aepo": ("arpo", "soft", 0.2, "code"), "tree_grpo": ("arpo", "soft", 0.2, "code")}),
     ("baselines", {"grpo": ("single", "soft", 0.2, "code"), "dapo": ("single", "soft", 0.2, "code"),
-                   "reinforce_plus_plus": ("single", "soft", 0.2, "code"), "arpo": ("arpo", "soft", 0.2, "code")}),
+                   "reinforce_plus_plus": ("single", "soft", 0.2, "code"), "ppo": ("single", "soft", 0.2, "code"),
+                   "arpo": ("arpo", "soft", 0.2, "code")}),
 ])
 def test_every_variant_composes_to_the_intended_config(suite, expect, tmp_path):
     s = ablation.SUITES[suite]
@@ -83,8 +84,8 @@ def test_every_variant_composes_to_the_intended_config(suite, expect, tmp_path):
         r = cfg.actor_rollout_ref.rollout
         assert (r.mode, cfg.algorithm.advantage_mode, r.arpo.entropy_weight, r.arpo.rule) == expect[run.variant.name]
         assert r.arpo.policy == (run.variant.name if run.variant.name in ("aepo", "tree_grpo") else "arpo")
-        assert cfg.algorithm.adv_estimator == {"tree_grpo": "tree_grpo", "reinforce_plus_plus": "reinforce_plus_plus"
-                                               }.get(run.variant.name, "grpo")
+        assert cfg.algorithm.adv_estimator == {"tree_grpo": "tree_grpo", "reinforce_plus_plus": "reinforce_plus_plus",
+                                               "ppo": "gae"}.get(run.variant.name, "grpo")
         assert cfg.algorithm.filter_groups.enable == cfg.reward.overlong_buffer.enable == (run.variant.name == "dapo")
         assert cfg.trainer.seed == run.seed
         assert Path(cfg.trainer.output_dir) == tmp_path / "runs" / suite / run.variant.name / f"seed{run.seed}"

@@ -57,10 +57,12 @@ def test_bench_agent_loop():
 
 
 def test_bench_algos():
-    result = run_bench("bench_algos.py", "--parts", "hard_advantage,group_advantages", "--groups", 4,
+    result = run_bench("bench_algos.py", "--parts", "hard_advantage,group_advantages,gae,value_loss", "--groups", 4,
                        "--group-size", 4, "--response-length", 64, "--adv-prompts", 4, "--adv-group-size", 4,
                        "--repeats", 1)
-    assert set(result) == {"hard_advantage", "group_advantages", "torch_threads"}
+    assert set(result) == {"hard_advantage", "group_advantages", "gae", "value_loss", "torch_threads"}
+    assert result["gae"]["rows"] == 16 and 0 < result["gae"]["mask_fraction"] < 1 and result["gae"]["ms"] > 0
+    assert result["value_loss"]["forward_backward_ms"] > 0 and 0 < result["value_loss"]["vf_clipfrac"] < 1
     assert result["hard_advantage"]["rows"] == 16 and result["hard_advantage"]["ms_per_batch"] >= 0
     adv = result["group_advantages"]
     assert adv["rows"] == 16 and adv["response_length"] == 64

@@ -64,6 +64,12 @@ def start_up_config_error(model: Path, data: Path, *overrides: str) -> str:
     (["algorithm.advantage_mode=medium"], "advantage_mode"),
     (["ray_init.num_cpus=1"], "ray_init.num_cpus"),
     (["actor_rollout_ref.rollout.arpo.mode=single"], "set actor_rollout_ref.rollout.mode=single instead"),
+    (["preset=ppo", "critic.ppo_mini_batch_size=3"], "critic.ppo_mini_batch_size=3 must divide data.train_batch_size"),
+    (["preset=ppo", "critic.cliprange_value=0"], "critic.cliprange_value must be a number in (0.0"),
+    (["preset=ppo", "critic.optim.lr=0"], "critic.optim.lr must be a number in (0.0, 1.0]"),
+    (["preset=ppo", "trainer.critic_warmup=-1"], "trainer.critic_warmup must be an integer >= 0"),
+    (["preset=ppo", "critic.model.path=/nonexistent"], "critic.model.path=/nonexistent is not an HF model directory"),
+    (["preset=ppo", "ray_init.num_cpus=4"], "actor + critic, + 1 for the engine"),
 ])
 def test_bad_config_fails_at_start_up_naming_the_key(tiny_model_dir, synthetic_dir, overrides, expect):
     assert expect in start_up_config_error(tiny_model_dir, synthetic_dir, *overrides)
@@ -124,23 +130,25 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
 
 
-def check_training_run(out: Path, steps: int, trajectories: int, model_type: str = "qwen2") -> None:
+def check_training_run(out: Path, steps: int, trajectories: int, model_type: str = "qwen2",
+                       first_actor_step: int = 1) -> None:
     """What every finished training run must leave: per-step metrics under verl's names, engine outputs that
-    move with the weights after every update, a final validation, the last checkpoint and an HF export.
-    Used by the resume test here (2 ranks, soft, agent loops) and by the ablation smoke (1 rank, grpo/soft/hard), which
-    are the suite's end-to-end trainings."""
+    move with the weights after every actor update (from ``first_actor_step`` on), a final validation, the last
+    checkpoint and an HF export. Used by the resume test here (2 ranks, PPO with a critic, agent loops) and by the
+    ablation smoke (1 rank, grpo/soft/hard), which are the suite's end-to-end trainings."""
     from transformers import AutoConfig
 
     metrics = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     by_step = {m["step"]: m for m in metrics if m["step"] > 0}  # a resumed run logs some steps twice: last wins
     assert sorted(by_step) == list(range(1, steps + 1))
-    for m in by_step.values():
-        for key in ("critic/score/mean", "critic/advantages/mean", "actor/pg_loss", "actor/grad_norm",
-                    "rollout/trajectories", "rollout/tool_calls/total", "timing_s/gen", "timing_s/update_actor",
-                    "rollout/weight_sync_probe", "response_length/mean"):
+    for step, m in by_step.items():
+        for key in ("critic/score/mean", "critic/advantages/mean", "rollout/trajectories", "rollout/tool_calls/total",
+                    "timing_s/gen", "response_length/mean"):
             assert key in m, key
+        actor_keys = ("actor/pg_loss", "actor/grad_norm", "timing_s/update_actor", "rollout/weight_sync_probe")
+        assert all((key in m) == (step >= first_actor_step) for key in actor_keys), (step, sorted(m))
         assert m["rollout/trajectories"] == trajectories  # every prompt yields exactly M trajectories
-    probes = [by_step[s]["rollout/weight_sync_probe"] for s in sorted(by_step)]
+    probes = [by_step[s]["rollout/weight_sync_probe"] for s in sorted(by_step) if s >= first_actor_step]
     assert all(a != b for a, b in zip(probes, probes[1:])), probes
     assert "val-core/all/reward/mean" in json.loads((out / "summary.json").read_text())["final_validation"]
     assert (out / "checkpoints" / f"global_step_{steps}" / "trainer_state.pt").exists()
@@ -149,16 +157,18 @@ def check_training_run(out: Path, steps: int, trajectories: int, model_type: str
 
 @pytest.mark.slow
 def test_sigkill_mid_training_resumes_from_the_last_checkpoint(sft_model_dir, tmp_path):
-    """A 2-rank run on the agent-loop rollout path (the batch path trains in the ablation smoke), killed after
-    its first checkpoint and resumed to the end."""
+    """A 2-rank PPO run (preset=ppo: actor, critic and GAE) on the agent-loop rollout path (the batch path trains
+    GRPO in the ablation smoke), killed after its first checkpoint and resumed to the end. Step 1 is the critic's
+    warm-up (trainer.critic_warmup=2: no actor update, the engine keeps its weights); the critic's shards are
+    saved with the actor's and restored on resume."""
     import torch
 
     out = tmp_path / "resume"
     data = sft_model_dir.parents[1] / "data" / "synthetic"
-    args = _cmd(f"actor_rollout_ref.model.path={sft_model_dir}", f"synthetic.out_dir={data}",
+    args = _cmd("preset=ppo", f"actor_rollout_ref.model.path={sft_model_dir}", f"synthetic.out_dir={data}",
                 f"trainer.output_dir={out}", "trainer.logger=[console,jsonl]", "trainer.total_training_steps=2",
                 "trainer.save_freq=1", "trainer.test_freq=2", "trainer.val_before_train=false",
-                "trainer.validation.max_samples=8", "algorithm.advantage_mode=soft",
+                "trainer.validation.max_samples=8", "trainer.critic_warmup=2",
                 "actor_rollout_ref.rollout.mode=agent_loop")
     proc = subprocess.Popen(args, cwd=REPO_ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -188,7 +198,12 @@ def test_sigkill_mid_training_resumes_from_the_last_checkpoint(sft_model_dir, tm
     # every step is logged, the steps after the checkpoint once more by the resumed run, none skipped
     assert set(logged) == {1, 2}
     assert logged[-(2 - killed_at):] == list(range(killed_at + 1, 3))
-    check_training_run(out, steps=2, trajectories=4 * 4)
+    check_training_run(out, steps=2, trajectories=4 * 4, first_actor_step=2)
+    assert (out / "checkpoints" / "global_step_2" / "critic" / "contents.json").exists()
+    for m in _metrics(out):
+        if m["step"] > 0:  # the critic learns every step, warm-up included; GAE's advantages are whitened
+            assert math.isfinite(m["critic/vf_loss"]) and m["critic/vf_loss"] > 0 and "critic/vf_explained_var" in m
+            assert abs(m["critic/advantages/mean"]) < 1e-4 and m["critic/values/min"] < m["critic/values/max"]
     # train_batch_size x rollout.n through the agent loops: the batch rollout's layout
     assert all(m["agent_loop/num_trajectories"] == 4 * 4 for m in _metrics(out) if m["step"] > 0)
 

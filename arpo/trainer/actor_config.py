@@ -97,6 +97,75 @@ def _number_in(cfg: Any, key: str, default: float, low: float, high: float, low_
     return float(value)
 
 
+def _validate_optimizer(cfg: Any, section: str) -> None:
+    """``<section>.grad_clip`` and ``<section>.optim.*`` (the actor's or the critic's)."""
+    grad_clip = cfg_get(cfg, f"{section}.grad_clip", 1.0)
+    if isinstance(grad_clip, bool) or not isinstance(grad_clip, (int, float)) or grad_clip <= 0:
+        raise ConfigError(f"{section}.grad_clip must be > 0, got {grad_clip!r}")
+    optim = f"{section}.optim"
+    _number_in(cfg, f"{optim}.lr", 1e-6, 0.0, 1.0, low_open=True)
+    _number_in(cfg, f"{optim}.weight_decay", 0.01, 0.0, 1.0)
+    _number_in(cfg, f"{optim}.eps", 1e-8, 0.0, 1.0, low_open=True)
+    betas = cfg_get(cfg, f"{optim}.betas", [0.9, 0.999])
+    if len(list(betas)) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+        raise ConfigError(f"{optim}.betas must be two numbers in [0, 1), got {list(betas)!r}")
+    style = cfg_get(cfg, f"{optim}.warmup_style", "constant")
+    if style not in WARMUP_STYLES:
+        raise ConfigError(f"{optim}.warmup_style={style!r} is not valid; choose one of: {', '.join(WARMUP_STYLES)}")
+    _number_in(cfg, f"{optim}.lr_warmup_steps_ratio", 0.0, 0.0, 1.0)
+    _number_in(cfg, f"{optim}.min_lr_ratio", 0.0, 0.0, 1.0)
+    _number_in(cfg, f"{optim}.num_cycles", 0.5, 0.0, 1e6, low_open=True)
+    for key in ("lr_warmup_steps", "total_training_steps"):
+        value = cfg_get(cfg, f"{optim}.{key}", -1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+            raise ConfigError(f"{optim}.{key} must be an integer >= -1 (-1: derived), got {value!r}")
+
+
+def _validate_batch_split(cfg: Any, section: str) -> None:
+    """``<section>.ppo_mini_batch_size`` and ``ppo_micro_batch_size_per_gpu`` against the batch and the ranks."""
+    ws, n = world_size(cfg), rollout_n(cfg)
+    train_bs = _positive_int(cfg, "data.train_batch_size", 1)
+    mini = _positive_int(cfg, f"{section}.ppo_mini_batch_size", 1)
+    micro = _positive_int(cfg, f"{section}.ppo_micro_batch_size_per_gpu", 1)
+    _positive_int(cfg, f"{section}.ppo_epochs", 1)
+    if mini > train_bs or train_bs % mini:
+        raise ConfigError(f"{section}.ppo_mini_batch_size={mini} must divide data.train_batch_size={train_bs}")
+    if (mini * n) % ws:
+        raise ConfigError(f"{section}.ppo_mini_batch_size * rollout.n = {mini * n} trajectories do not split over "
+                          f"{ws} training ranks; make it a multiple of {ws}")
+    per_rank = mini * n // ws
+    if per_rank % micro:
+        raise ConfigError(f"{section}.ppo_micro_batch_size_per_gpu={micro} must divide the per-rank mini-batch "
+                          f"ppo_mini_batch_size * rollout.n / world_size = {per_rank}")
+
+
+def uses_critic(cfg: Any) -> bool:
+    """PPO with a critic: GAE is the one estimator that needs values."""
+    return cfg_get(cfg, "algorithm.adv_estimator", "grpo") == "gae"
+
+
+def validate_critic_config(cfg: Any) -> None:
+    """Check the ``critic.*`` keys and ``trainer.critic_warmup`` (configs/trainer/critic.yaml); raise ConfigError."""
+    from arpo.trainer.core_algos import LOSS_AGG_MODES
+
+    _validate_batch_split(cfg, "critic")
+    _positive_int(cfg, "critic.forward_micro_batch_size_per_gpu", 8)
+    _validate_optimizer(cfg, "critic")
+    _number_in(cfg, "critic.cliprange_value", 0.5, 0.0, 1e9, low_open=True)
+    mode = cfg_get(cfg, "critic.loss_agg_mode", "token-mean")
+    if mode not in LOSS_AGG_MODES:
+        raise ConfigError(f"critic.loss_agg_mode={mode!r} is not valid; choose one of: {', '.join(LOSS_AGG_MODES)}")
+    if not isinstance(cfg_get(cfg, "critic.model.enable_gradient_checkpointing", True), bool):
+        raise ConfigError("critic.model.enable_gradient_checkpointing must be true or false")
+    warmup = cfg_get(cfg, "trainer.critic_warmup", 0)
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ConfigError(f"trainer.critic_warmup must be an integer >= 0, got {warmup!r}")
+    path = cfg_get(cfg, "critic.model.path")
+    if path is not None and uses_critic(cfg) and not (Path(str(path)) / "config.json").is_file():
+        raise ConfigError(f"critic.model.path={path} is not an HF model directory (no config.json): point it at "
+                          f"one, or null for actor_rollout_ref.model.path")
+
+
 def validate_actor_config(cfg: Any) -> None:
     """Check device, world size, batch sizes, optimizer, data and checkpoint keys; raise ConfigError."""
     from arpo.trainer.device import DEVICES, DTYPE_CHOICES
@@ -130,41 +199,15 @@ def validate_actor_config(cfg: Any) -> None:
     ws = world_size(cfg)
     n = rollout_n(cfg)
     train_bs = _positive_int(cfg, "data.train_batch_size", 1)
-    mini = _positive_int(cfg, "actor_rollout_ref.actor.ppo_mini_batch_size", 1)
-    micro = _positive_int(cfg, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", 1)
-    _positive_int(cfg, "actor_rollout_ref.actor.ppo_epochs", 1)
     _positive_int(cfg, "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", 8)
     _positive_int(cfg, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", 8)
     if (train_bs * n) % ws:
         raise ConfigError(f"data.train_batch_size * rollout.n = {train_bs} * {n} = {train_bs * n} trajectories "
                           f"do not split over {ws} training ranks (trainer.nnodes * trainer.n_gpus_per_node); "
                           f"make it a multiple of {ws}")
-    if mini > train_bs or train_bs % mini:
-        raise ConfigError(f"actor_rollout_ref.actor.ppo_mini_batch_size={mini} must divide "
-                          f"data.train_batch_size={train_bs}")
-    if (mini * n) % ws:
-        raise ConfigError(f"actor_rollout_ref.actor.ppo_mini_batch_size * rollout.n = {mini * n} trajectories "
-                          f"do not split over {ws} training ranks; make it a multiple of {ws}")
-    per_rank = mini * n // ws
-    if per_rank % micro:
-        raise ConfigError(f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro} must divide the "
-                          f"per-rank mini-batch ppo_mini_batch_size * rollout.n / world_size = {per_rank}")
+    _validate_batch_split(cfg, "actor_rollout_ref.actor")
 
-    grad_clip = cfg_get(cfg, "actor_rollout_ref.actor.grad_clip", 1.0)
-    if not isinstance(grad_clip, (int, float)) or grad_clip <= 0:
-        raise ConfigError(f"actor_rollout_ref.actor.grad_clip must be > 0, got {grad_clip!r}")
-    _number_in(cfg, "actor_rollout_ref.actor.optim.lr", 1e-6, 0.0, 1.0, low_open=True)
-    _number_in(cfg, "actor_rollout_ref.actor.optim.weight_decay", 0.01, 0.0, 1.0)
-    _number_in(cfg, "actor_rollout_ref.actor.optim.eps", 1e-8, 0.0, 1.0, low_open=True)
-    betas = cfg_get(cfg, "actor_rollout_ref.actor.optim.betas", [0.9, 0.999])
-    if len(list(betas)) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
-        raise ConfigError(f"actor_rollout_ref.actor.optim.betas must be two numbers in [0, 1), got {list(betas)!r}")
-    style = cfg_get(cfg, "actor_rollout_ref.actor.optim.warmup_style", "constant")
-    if style not in WARMUP_STYLES:
-        raise ConfigError(f"actor_rollout_ref.actor.optim.warmup_style={style!r} is not valid; choose one of: "
-                          f"{', '.join(WARMUP_STYLES)}")
-    _number_in(cfg, "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio", 0.0, 0.0, 1.0)
-    _number_in(cfg, "actor_rollout_ref.actor.optim.min_lr_ratio", 0.0, 0.0, 1.0)
+    _validate_optimizer(cfg, "actor_rollout_ref.actor")
 
     prompt_len = cfg_get(cfg, "data.max_prompt_length", 1024)
     if not isinstance(prompt_len, int) or prompt_len < 1:

@@ -4,7 +4,7 @@
 ``response_mask`` (B, T: 1 on model tokens, 0 on tool results and padding) and, for the group baselines,
 ``index`` (one group label per row: rows sampled for the same prompt share it), and returns
 ``(advantages, returns)``, both (B, T). Every estimator ignores keywords it does not use, so a trainer can
-call any of them with the same ones.
+call any of them with the same ones, except ``gae``, which also needs the critic's ``values`` and ``lam``.
 
 Two forms of the group estimators exist, as in verl, because they differ in cost, not in meaning: the loop
 forms (``grpo``, ``rloo``) walk the groups one at a time with a mean / std per group; the vectorized forms
@@ -43,7 +43,8 @@ def register_adv_est(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
 def get_adv_estimator_fn(name: str) -> AdvantageFn:
     """The estimator registered as ``name``. Every estimator accepts extra keyword arguments and ignores
     the ones it does not use, so a trainer can call any of them with the same keywords
-    (``token_level_rewards, response_mask, index, epsilon, norm_adv_by_std_in_grpo, gamma``)."""
+    (``token_level_rewards, response_mask, index, epsilon, norm_adv_by_std_in_grpo, gamma``); ``gae``
+    also needs ``values`` and ``lam``."""
     name = getattr(name, "value", name)
     if name not in ADV_ESTIMATOR_REGISTRY:
         raise ValueError(
@@ -282,3 +283,42 @@ def compute_reinforce_plus_plus_outcome_advantage(
             running = candidate * mask[:, t] + running * (1 - mask[:, t])
         adv = masked_whiten(returns, response_mask) * response_mask
     return adv, returns
+
+
+# --------------------------------------------------------------------------------------------------
+# Critic-based estimator
+# --------------------------------------------------------------------------------------------------
+
+@register_adv_est("gae")
+def compute_gae_advantage_return(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation (arXiv 1506.02438) from the critic's ``values`` (B, T), as verl's.
+
+    Backward over the response: δ_t = r_t + γ·V_{t'} − V_t and A_t = δ_t + γλ·A_{t'}, t' the next
+    response-mask token. A position with mask 0 (a tool result, padding) has neither a value nor a TD error:
+    V_{t'} and A_{t'} pass through it unchanged, so it holds the advantage of the model token after it.
+    Returns ``(advantages, returns)`` with returns = A + V (the critic's target, before whitening) and the
+    advantages whitened over every masked token of the batch; off the mask neither is zeroed, as in verl.
+    The trainer calls this one with ``values`` and ``lam``, not with the group estimators' keywords.
+    """
+    with torch.no_grad():
+        dtype = torch.promote_types(token_level_rewards.dtype, values.dtype)
+        mask = response_mask.to(dtype)
+        advantages = torch.empty(values.shape, dtype=dtype, device=values.device)
+        next_value = torch.zeros(values.shape[0], dtype=dtype, device=values.device)
+        running = torch.zeros_like(next_value)
+        for t in reversed(range(token_level_rewards.shape[-1])):
+            delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
+            candidate = delta + gamma * lam * running
+            next_value = values[:, t] * mask[:, t] + (1 - mask[:, t]) * next_value
+            running = candidate * mask[:, t] + (1 - mask[:, t]) * running
+            advantages[:, t] = running
+        returns = advantages + values
+        advantages = masked_whiten(advantages, response_mask)
+    return advantages, returns

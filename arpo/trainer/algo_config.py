@@ -48,6 +48,10 @@ def validate_algorithm_config(cfg: Any) -> None:
                                      or _get(cfg, "actor_rollout_ref.rollout.arpo.policy", "arpo") != "tree_grpo"):
         raise ValueError("algorithm.adv_estimator=tree_grpo needs Tree-GRPO's trees: set "
                          "actor_rollout_ref.rollout.arpo.policy=tree_grpo (and rollout.mode arpo or agent_loop)")
+    for key in ("algorithm.gamma", "algorithm.lam"):
+        value = _get(cfg, key, 1.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise ValueError(f"{key} must be a number in [0, 1], got {value!r}")
     filter_groups = filter_groups_config(cfg)
     gen = _get(cfg, "data.gen_batch_size")
     if gen is not None:

@@ -261,23 +261,32 @@ class CheckpointManager:
 
 
 def save_checkpoint(manager: CheckpointManager, step: int, actor_group: Any, dataloader: Any = None,
-                    trainer_state: dict | None = None, contents: list[str] | None = None) -> Path:
-    """Write step ``step`` atomically: actor shards (every rank), dataloader position, driver RNG and
-    ``trainer_state``. ``actor_group`` is anything whose ``save_checkpoint(dir, contents)`` runs on all ranks;
-    ``contents`` None means the config's ``actor_rollout_ref.actor.checkpoint.save_contents``."""
+                    trainer_state: dict | None = None, contents: list[str] | None = None,
+                    critic_group: Any = None) -> Path:
+    """Write step ``step`` atomically: actor shards (every rank), critic shards (``critic/``, PPO with a critic),
+    dataloader position, driver RNG and ``trainer_state``. ``actor_group`` is anything whose
+    ``save_checkpoint(dir, contents)`` runs on all ranks; ``contents`` None means the config's
+    ``actor_rollout_ref.actor.checkpoint.save_contents``."""
     tmp = manager.begin(step)
     actor_group.save_checkpoint(str(tmp / "actor"), contents)
+    if critic_group is not None:
+        critic_group.save_checkpoint(str(tmp / "critic"))
     if dataloader is not None:
         torch.save(dataloader.state_dict(), tmp / "data.pt")
     torch.save({"global_step": step, "rng": rng_state(), **(trainer_state or {})}, tmp / "trainer_state.pt")
     return manager.commit(step)
 
 
-def load_checkpoint(ckpt_dir: str | Path, actor_group: Any, dataloader: Any = None) -> dict:
+def load_checkpoint(ckpt_dir: str | Path, actor_group: Any, dataloader: Any = None, critic_group: Any = None) -> dict:
     """Restore a :func:`save_checkpoint` directory; returns the trainer state (``global_step`` …) after
     restoring the driver's RNG states and the dataloader position."""
     ckpt = Path(ckpt_dir)
     actor_group.load_checkpoint(str(ckpt / "actor"))
+    if critic_group is not None:
+        if not (ckpt / "critic" / "contents.json").exists():
+            raise FileNotFoundError(f"{ckpt} has no critic shards (critic/contents.json): it was written by a run "
+                                    f"without a critic; resume it with the same algorithm.adv_estimator")
+        critic_group.load_checkpoint(str(ckpt / "critic"))
     if dataloader is not None:
         data_file = ckpt / "data.pt"
         if not data_file.exists():

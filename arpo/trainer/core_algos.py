@@ -1,4 +1,4 @@
-"""Policy / KL / entropy losses, loss aggregation and KL controllers (verl's names and semantics).
+"""Policy / value / KL / entropy losses, loss aggregation and KL controllers (verl's names and semantics).
 
 Every function keeps the name, argument names and meaning of its counterpart in verl 0.9.1's
 ``verl/trainer/ppo/core_algos.py`` so results can be compared one to one;
@@ -26,6 +26,7 @@ import torch
 
 from arpo.trainer.advantages import (  # noqa: F401  (verl's core_algos namespace)
     ADV_ESTIMATOR_REGISTRY,
+    compute_gae_advantage_return,
     compute_grpo_outcome_advantage,
     compute_grpo_vectorized_outcome_advantage,
     compute_reinforce_plus_plus_baseline_outcome_advantage,
@@ -131,7 +132,7 @@ def agg_loss(
 
 
 # --------------------------------------------------------------------------------------------------
-# Policy, KL and entropy losses
+# Policy, value, KL and entropy losses
 # --------------------------------------------------------------------------------------------------
 
 def compute_policy_loss(
@@ -196,6 +197,37 @@ def compute_policy_loss(
 
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+def compute_value_loss(
+    vpreds: torch.Tensor,
+    returns: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+    dp_size: int = 1,
+    batch_num_tokens: float | torch.Tensor | None = None,
+    global_batch_size: float | torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped value loss for the critic (verl's ``compute_value_loss``).
+
+    V_clip = clip(vpreds, values − cliprange_value, values + cliprange_value), ``values`` the critic's
+    predictions at rollout time; L = max((vpreds − R)², (V_clip − R)²) with R = ``returns``, so the update
+    cannot move a prediction far from its old value to lower the loss. vf_loss = ½·agg_loss(L), the global
+    normalisers going to :func:`agg_loss` as in :func:`compute_policy_loss`. Returns ``(vf_loss,
+    vf_clipfrac)``, the latter the masked fraction of tokens where the clipped term is the larger.
+    """
+    # verl's clip_by_value (min then max, not clamp): the same values, and the same gradient at a bound too.
+    vpredclipped = torch.maximum(torch.minimum(vpreds, values + cliprange_value), values - cliprange_value)
+    loss_unclipped = (vpreds - returns) ** 2
+    loss_clipped = (vpredclipped - returns) ** 2
+    vf_loss = 0.5 * agg_loss(torch.maximum(loss_unclipped, loss_clipped), response_mask, loss_agg_mode,
+                             dp_size=dp_size, batch_num_tokens=batch_num_tokens,
+                             global_batch_size=global_batch_size, loss_scale_factor=loss_scale_factor)
+    vf_clipfrac = masked_mean(torch.gt(loss_clipped, loss_unclipped).float(), response_mask)
+    return vf_loss, vf_clipfrac
 
 
 def compute_entropy_balanced_advantage(advantages: torch.Tensor, entropy: torch.Tensor, response_mask: torch.Tensor,

@@ -64,9 +64,14 @@ class ActorWorker:
     :meth:`init_model` on every rank together before anything else.
     """
 
+    #: the roles this class runs; the config sections its model and optimizer keys are read from
+    ROLES: tuple[str, ...] = ROLES
+    MODEL_KEY = "actor_rollout_ref.model"
+    OPTIM_KEY = "actor_rollout_ref.actor.optim"
+
     def __init__(self, config: dict, role: str = "actor", rank: int = 0, world_size: int = 1):
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if role not in self.ROLES:
+            raise ValueError(f"role must be one of {self.ROLES}, got {role!r}")
         configure_allocator()  # before the model and activations exist: RSS follows live memory
         self.config = config
         self.role = role
@@ -99,7 +104,6 @@ class ActorWorker:
         """Join the process group, load the model, shard it with FSDP2, build optimizer and scheduler."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        from transformers import AutoModelForCausalLM
 
         if master_addr in ("127.0.0.1", "localhost"):
             # Keep gloo's sockets on loopback; by default it resolves the hostname to the eth0 address.
@@ -112,16 +116,9 @@ class ActorWorker:
             torch.cuda.set_device(self.settings.device(int(os.environ.get("LOCAL_RANK", 0))))
             self.device = torch.device("cuda", torch.cuda.current_device())
 
-        path = cfg_get(self.config, "actor_rollout_ref.model.path")
-        if not path:
-            raise ValueError("actor_rollout_ref.model.path is not set: give an HF-format model directory")
-        # Master weights stay fp32; mixed precision casts them to bf16 for compute only (GPU: FSDP2 casts
-        # the parameters; CPU: autocast around each forward, see device.py).
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=torch.float32,
-            attn_implementation=cfg_get(self.config, "actor_rollout_ref.model.attn_implementation", "sdpa"))
-        checkpointing = cfg_get(self.config, "actor_rollout_ref.model.enable_gradient_checkpointing", True)
-        if self.role == "actor" and checkpointing:
+        model = self.load_model()
+        checkpointing = cfg_get(self.config, f"{self.MODEL_KEY}.enable_gradient_checkpointing", True)
+        if self.trainable and checkpointing:
             # Non-reentrant: the recompute re-runs FSDP2's pre-forward hooks (parameters are gathered
             # again) and autocast's state, and it works when the inputs do not require grad.
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -149,7 +146,7 @@ class ActorWorker:
         fully_shard(model, **kwargs)
         self.model = model
 
-        if self.role == "actor":
+        if self.trainable:
             self._build_optimizer()
         else:
             model.requires_grad_(False)
@@ -164,8 +161,27 @@ class ActorWorker:
                 "fast_layout": self.settings.fast_layout,
                 "num_params": n_params, "torch_threads": torch.get_num_threads()}
 
+    @property
+    def trainable(self) -> bool:
+        return self.role != "ref"
+
+    def model_path(self) -> str:
+        path = cfg_get(self.config, f"{self.MODEL_KEY}.path")
+        if not path:
+            raise ValueError(f"{self.MODEL_KEY}.path is not set: give an HF-format model directory")
+        return str(path)
+
+    def load_model(self) -> torch.nn.Module:
+        """The policy in fp32 master weights: mixed precision casts them to bf16 for compute only (GPU: FSDP2
+        casts the parameters; CPU: autocast around each forward, see device.py)."""
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(
+            self.model_path(), dtype=torch.float32,
+            attn_implementation=cfg_get(self.config, f"{self.MODEL_KEY}.attn_implementation", "sdpa"))
+
     def _build_optimizer(self) -> None:
-        optim = lambda key, default=None: cfg_get(self.config, f"actor_rollout_ref.actor.optim.{key}", default)  # noqa: E731
+        optim = lambda key, default=None: cfg_get(self.config, f"{self.OPTIM_KEY}.{key}", default)  # noqa: E731
         betas = tuple(float(b) for b in optim("betas", [0.9, 0.999]))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=float(optim("lr", 1e-6)), betas=betas,
                                            weight_decay=float(optim("weight_decay", 0.01)),
@@ -178,8 +194,8 @@ class ActorWorker:
             warmup = int(float(optim("lr_warmup_steps_ratio", 0.0)) * max(total, 0))
         style = optim("warmup_style", "constant")
         if style == "cosine" and total <= 0:
-            raise ValueError("actor_rollout_ref.actor.optim.warmup_style=cosine needs "
-                             "actor_rollout_ref.actor.optim.total_training_steps > 0 (the trainer sets it)")
+            raise ValueError(f"{self.OPTIM_KEY}.warmup_style=cosine needs {self.OPTIM_KEY}.total_training_steps > 0 "
+                             f"(the trainer sets it)")
         min_lr_ratio, cycles = float(optim("min_lr_ratio", 0.0)), float(optim("num_cycles", 0.5))
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_lambda(s, warmup, total, style, min_lr_ratio, cycles))

@@ -2,7 +2,8 @@
 
 ``perf/packed_token_ratio`` is the batch's tokens once each prompt group's tree is packed over its tokens as rows.
 ``critic/score`` is the sequence score from the reward functions, ``critic/rewards`` the token-level reward after
-any KL-in-reward penalty, ``critic/advantages`` and ``critic/returns`` are over response tokens with mask 1.
+any KL-in-reward penalty, ``critic/advantages``, ``critic/returns`` and (with a critic) ``critic/values`` are over
+response tokens with mask 1; ``critic/vf_explained_var`` is 1 - var(returns - values) / var(returns).
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ def compute_data_metrics(batch: DataBatch) -> dict[str, float]:
         metrics.update(_stats("critic/advantages", t["advantages"][mask]))
     if "returns" in t:
         metrics.update(_stats("critic/returns", t["returns"][mask]))
+    if "values" in t and "returns" in t and mask.sum() > 1:  # PPO with a critic (verl's formulas)
+        values, returns = t["values"][mask].float(), t["returns"][mask].float()
+        metrics.update(_stats("critic/values", values))
+        metrics["critic/vf_explained_var"] = (1.0 - torch.var(returns - values) / (torch.var(returns) + 1e-5)).item()
     response_len = t["attention_mask"][:, -t["responses"].shape[1]:].sum(-1)
     prompt_len = t["attention_mask"][:, : t["prompts"].shape[1]].sum(-1)
     max_resp = batch.meta.get("max_response_length", t["responses"].shape[1])

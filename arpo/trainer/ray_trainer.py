@@ -1,6 +1,6 @@
-"""The ARPO fit loop: rollout → rewards → old/ref log-probs → advantages (soft | hard) → actor update → weights
-pushed to the engine, with validation, checkpoints and tracking (verl's RayPPOTrainer, trimmed to GRPO-style
-critic-free training).
+"""The ARPO fit loop: rollout → rewards → old/ref log-probs (+ critic values) → advantages (soft | hard | GAE) →
+critic update → actor update → weights pushed to the engine, with validation, checkpoints and tracking (verl's
+RayPPOTrainer, trimmed).
 
 The driver owns the loop and the rollout; FSDP2 actor/ref workers live in Ray actors (``worker_group``); the
 generation engine lives in its own Ray actor. On a 2-core CPU these take turns: the rollout runs while the
@@ -34,6 +34,11 @@ logger = logging.getLogger(__name__)
 def compute_advantage(batch: DataBatch, cfg: DictConfig) -> DataBatch:
     """Advantages and returns with the configured estimator, then soft/hard sharing over the branch tree."""
     algo = cfg.algorithm
+    if algo.adv_estimator == "gae":  # token-level: values in, no group structure (hard mode is refused at start-up)
+        batch.tensors["advantages"], batch.tensors["returns"] = core_algos.compute_gae_advantage_return(
+            batch.tensors["token_level_rewards"], batch.tensors["values"], batch.tensors["response_mask"],
+            gamma=algo.gamma, lam=algo.lam)
+        return batch
     fn = core_algos.get_adv_estimator_fn(algo.adv_estimator)
     index = np.asarray(batch.non_tensors["uid"])
     adv, ret = fn(token_level_rewards=batch.tensors["token_level_rewards"],
@@ -52,7 +57,7 @@ class RayARPOTrainer:
     """Runs ``trainer.total_training_steps`` (or ``trainer.total_epochs``) of ARPO on a Ray cluster."""
 
     def __init__(self, cfg: DictConfig, tokenizer, train_data, val_data, rollout, actor_wg, ref_wg, engine,
-                 reward_manager, tracker, checkpointer):
+                 reward_manager, tracker, checkpointer, critic_wg=None):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.train_data = train_data
@@ -60,6 +65,7 @@ class RayARPOTrainer:
         self.rollout = rollout
         self.actor_wg = actor_wg
         self.ref_wg = ref_wg
+        self.critic_wg = critic_wg
         self.engine = engine
         self.reward_manager = reward_manager
         self.tracker = tracker
@@ -176,6 +182,9 @@ class RayARPOTrainer:
             if self.ref_wg is not None:
                 with timer.phase("ref"):
                     batch.tensors["ref_log_prob"] = self.ref_wg.compute_log_prob(batch)["log_probs"]
+            if self.critic_wg is not None:
+                with timer.phase("values"):
+                    batch.tensors["values"] = self.critic_wg.compute_values(batch)["values"]
             with timer.phase("adv"):
                 if self.kl_ctrl is not None:
                     batch, kl_metrics = core_algos.apply_kl_penalty(batch, self.kl_ctrl, cfg.algorithm.kl_penalty)
@@ -189,10 +198,15 @@ class RayARPOTrainer:
                         batch.tensors["advantages"], old_entropy, batch.tensors["response_mask"],
                         actor.entropy_advantage_alpha)
             self._dump_rollouts(batch)
-            with timer.phase("update_actor"):
-                metrics.update(self.actor_wg.update_policy(batch))
-            with timer.phase("update_weights"):
-                metrics.update(self.push_weights())
+            if self.critic_wg is not None:
+                with timer.phase("update_critic"):
+                    metrics.update(self.critic_wg.update_critic(batch))
+            # verl's warm-up rule (its steps count from 1): the critic learns alone until step critic_warmup
+            if int(cfg.trainer.critic_warmup) <= self.global_step + 1:
+                with timer.phase("update_actor"):
+                    metrics.update(self.actor_wg.update_policy(batch))
+                with timer.phase("update_weights"):
+                    metrics.update(self.push_weights())
         metrics.update(compute_data_metrics(batch))
         metrics.update(timer.metrics(int(batch.tensors["attention_mask"].sum())))
         return metrics
@@ -306,7 +320,7 @@ class RayARPOTrainer:
 
 
 class TrainerCheckpointer:
-    """Driver side of checkpoints: actor shards (the workers write them) + the driver's own state — dataloader
+    """Driver side of checkpoints: actor (and critic) shards (the workers write them) + the driver's own state — dataloader
     position, RNG states, step, KL controller — committed atomically as one ``global_step_N`` directory."""
 
     def __init__(self, root: str | Path, resume_mode: str = "auto", resume_from_path: str | None = None,
@@ -322,7 +336,7 @@ class TrainerCheckpointer:
 
         kl = trainer.kl_ctrl.value if trainer.kl_ctrl is not None else None
         return save_checkpoint(self.manager, step, trainer.actor_wg, dataloader=trainer.train_data,
-                               trainer_state={"kl_coef": kl})
+                               trainer_state={"kl_coef": kl}, critic_group=trainer.critic_wg)
 
     def resume(self, trainer: "RayARPOTrainer") -> int:
         """Restore the newest (or the configured) checkpoint; returns the step to continue from (0: fresh)."""
@@ -331,7 +345,7 @@ class TrainerCheckpointer:
         path = self.manager.resolve_resume(self.resume_mode, self.resume_from_path)
         if path is None:
             return 0
-        state = load_checkpoint(path, trainer.actor_wg, dataloader=trainer.train_data)
+        state = load_checkpoint(path, trainer.actor_wg, dataloader=trainer.train_data, critic_group=trainer.critic_wg)
         if trainer.kl_ctrl is not None and state.get("kl_coef") is not None:
             trainer.kl_ctrl.value = state["kl_coef"]
         # The engine started from the initial weights: give it the restored ones.

@@ -1,4 +1,5 @@
-"""N :class:`~arpo.trainer.fsdp_worker.ActorWorker` ranks as Ray actors, called together.
+"""N :class:`~arpo.trainer.fsdp_worker.ActorWorker` (or, for the critic, :class:`~arpo.trainer.critic_worker.CriticWorker`)
+ranks as Ray actors, called together.
 
 Every model method is a collective (FSDP2 all-gathers parameters in each forward), so a call goes to *all*
 actors at once and is awaited with one ``ray.get([...])``; calling rank by rank would deadlock gloo/nccl.
@@ -150,6 +151,7 @@ class RayWorkerGroup:
         import ray
 
         from arpo.ray_utils import init_ray
+        from arpo.trainer.critic_worker import CriticWorker
         from arpo.trainer.fsdp_worker import ActorWorker
 
         self.config = to_plain(config)
@@ -163,7 +165,7 @@ class RayWorkerGroup:
         # Ray gives each actor OMP_NUM_THREADS = its num_cpus and the driver's sys.path (so `arpo` imports).
         # glibc reads its tunables at process start: huge pages for the ranks' large blocks (memory.py).
         env = {**(ray.get_runtime_context().runtime_env.get("env_vars") or {}), **allocator_env()}
-        remote_cls = ray.remote(ActorWorker)
+        remote_cls = ray.remote(CriticWorker if role == "critic" else ActorWorker)
         self.workers = []
         for rank in range(self.world_size):
             options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "runtime_env": {"env_vars": env}}
@@ -202,7 +204,7 @@ class RayWorkerGroup:
         return bool(self.init_info[0].get("fast_layout", False))
 
     def _packs_trees(self) -> bool:
-        return bool(cfg_get(self.config, "actor_rollout_ref.model.tree_packing", True))
+        return self.role != "critic" and bool(cfg_get(self.config, "actor_rollout_ref.model.tree_packing", True))
 
     def _with_trees(self, batch: DataBatch) -> DataBatch:
         out = _tensors_only(batch)
@@ -232,6 +234,21 @@ class RayWorkerGroup:
         for s in shares:
             s.meta["mini_batch_rows_per_rank"] = per_rank
         return self.execute_split("update_policy", shares)[0]
+
+    def compute_values(self, batch: DataBatch) -> dict[str, torch.Tensor]:
+        """``{"values": (B, T)}`` of the critic in ``batch`` row order (:meth:`CriticWorker.compute_values`)."""
+        shares, _ = split_for_ranks(_tensors_only(batch), self.world_size)
+        results = self.execute_split("compute_values", shares)
+        return gather_rows(results, [s["is_pad"] for s in shares])
+
+    def update_critic(self, batch: DataBatch) -> dict[str, float]:
+        """One value-loss update on ``batch`` (:meth:`CriticWorker.update_critic`); returns verl's critic metrics."""
+        from arpo.trainer.critic_worker import critic_mini_batch_rows
+
+        shares, per_rank = split_for_ranks(_tensors_only(batch), self.world_size, critic_mini_batch_rows(self.config))
+        for s in shares:
+            s.meta["mini_batch_rows_per_rank"] = per_rank
+        return self.execute_split("update_critic", shares)[0]
 
     def save_weights_for_engine(self, out_dir: str, dtype: str | None = None) -> str:
         return self.execute_all("save_weights_for_engine", out_dir, dtype)[0]

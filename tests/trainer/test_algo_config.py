@@ -26,9 +26,11 @@ def test_shipped_config_is_valid():
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("algorithm.adv_estimator", "gae", "algorithm.adv_estimator='gae' is not valid; choose one of: grpo, "
+    ("algorithm.adv_estimator", "ppo", "algorithm.adv_estimator='ppo' is not valid; choose one of: gae, grpo, "
                                        "grpo_vectorized, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo, "
                                        "rloo_vectorized, tree_grpo"),
+    ("algorithm.gamma", 1.5, "algorithm.gamma must be a number in [0, 1], got 1.5"),
+    ("algorithm.lam", "x", "algorithm.lam must be a number in [0, 1], got 'x'"),
     ("algorithm.adv_estimator", "tree_grpo", "algorithm.adv_estimator=tree_grpo needs Tree-GRPO's trees: set "
                                              "actor_rollout_ref.rollout.arpo.policy=tree_grpo"),
     ("algorithm.advantage_mode", "medium", "algorithm.advantage_mode='medium' is not valid; choose one of: soft, hard"),
@@ -64,6 +66,12 @@ def test_verl_091_values_are_accepted(key, value):
     validate_algorithm_config(_cfg(**{key.replace(".", "__"): value}))
     if key == "algorithm.adv_estimator":  # one advantage per trajectory: hard mode is defined for them
         validate_algorithm_config(_cfg(algorithm__adv_estimator=value, algorithm__advantage_mode="hard"))
+
+
+def test_gae_is_accepted_in_soft_mode_only():
+    validate_algorithm_config(_cfg(algorithm__adv_estimator="gae", algorithm__lam=0.95))
+    with pytest.raises(ValueError, match="advantage_mode=hard needs an outcome estimator"):
+        validate_algorithm_config(_cfg(algorithm__adv_estimator="gae", algorithm__advantage_mode="hard"))
 
 
 def test_tree_grpo_estimator_is_accepted_with_tree_grpo_rollouts():

@@ -178,16 +178,17 @@ def test_estimator_registry():
     assert (ca.get_adv_estimator_fn("reinforce_plus_plus_baseline")
             is ca.compute_reinforce_plus_plus_baseline_outcome_advantage)
     assert ca.get_adv_estimator_fn("tree_grpo") is ca.compute_tree_grpo_outcome_advantage
-    with pytest.raises(ValueError, match=r"unknown algorithm.adv_estimator 'gae'; valid: grpo, grpo_vectorized, "
-                                         r"reinforce_plus_plus, reinforce_plus_plus_baseline, rloo, "
-                                         r"rloo_vectorized, tree_grpo"):
-        ca.get_adv_estimator_fn("gae")
-    # Every estimator accepts the same keyword set.
+    assert ca.get_adv_estimator_fn("gae") is ca.compute_gae_advantage_return
+    with pytest.raises(ValueError, match=r"unknown algorithm.adv_estimator 'remax'; valid: gae, grpo, "
+                                         r"grpo_vectorized, reinforce_plus_plus, reinforce_plus_plus_baseline, "
+                                         r"rloo, rloo_vectorized, tree_grpo"):
+        ca.get_adv_estimator_fn("remax")
+    # Every estimator accepts the same keyword set (gae also needs the critic's values and lam).
     rewards, mask, index = _rewards_and_mask()
     for name in ca.ADV_ESTIMATOR_REGISTRY:  # (tree_grpo also needs the rows' trees, and says so without them)
         adv, _ = ca.get_adv_estimator_fn(name)(token_level_rewards=rewards, response_mask=mask, index=index,
                                                epsilon=1e-6, norm_adv_by_std_in_grpo=True, gamma=1.0,
-                                               tree_index=[0, 0, 1, 0])
+                                               tree_index=[0, 0, 1, 0], values=torch.zeros_like(rewards), lam=0.95)
         assert adv.shape == rewards.shape
 
 

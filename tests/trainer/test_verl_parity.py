@@ -5,8 +5,10 @@ which documents the command); verl is not imported here, so CI needs no verl. Ca
 (fully masked rows, tool gaps, rewards on masked-out positions, groups of one, equal scores, string and int
 labels), the masked statistics, agg_loss in every mode with and without global normalisers (values and
 gradients), a 2-rank x 2-micro-batch split with the counts verl's actor passes, the PPO loss, every KL
-estimator with its "+" straight-through form (values and gradients), the entropy loss and the adaptive KL
-controller.
+estimator with its "+" straight-through form (values and gradients), the entropy loss, the adaptive KL
+controller, GAE (the outcome inputs with random values, masked positions included, for three gamma / lam)
+and the critic's clipped value loss in every mode, with and without global normalisers, for two clip ranges
+(loss, clip fraction and gradient). The value loss's 2-rank split is checked against one process here.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ def test_fixtures_come_from_verl_091_and_cover_the_edge_cases():
     assert sorted(labels.count(u) for u in set(labels)) == [1, 1, 2, 3, 4, 5]  # two groups of one
     assert (tensor(INPUTS["loss"]["loss_mask"]).sum(-1) == 0).any()
     assert {e["empty_row"] for e in FIXTURES["dp_split"]} == {False, True}
+    assert (tensor(INPUTS["value_loss"]["response_mask"]).sum(-1) == 0).any()
+    for clip in {c["cliprange_value"] for c in FIXTURES["value_loss"]}:  # each clip range binds on some tokens
+        assert all(0 < c["vf_clipfrac"] < 1 for c in FIXTURES["value_loss"] if c["cliprange_value"] == clip)
 
 
 @pytest.mark.parametrize("case", FIXTURES["advantages"],
@@ -143,3 +148,48 @@ def test_adaptive_kl_controller():
     for step in FIXTURES["adaptive_kl"]:
         ctrl.update(step["current_kl"], step["n_steps"])
         assert ctrl.value == pytest.approx(step["value"], abs=1e-12)
+
+
+@pytest.mark.parametrize("case", FIXTURES["gae"], ids=lambda c: f"gamma={c['gamma']}-lam={c['lam']}")
+def test_gae_advantage_return(case):
+    inp = INPUTS["outcome"]
+    adv, ret = ca.get_adv_estimator_fn("gae")(
+        token_level_rewards=tensor(inp["token_level_rewards"]), values=tensor(INPUTS["gae_values"]),
+        response_mask=tensor(inp["response_mask"]), gamma=case["gamma"], lam=case["lam"])
+    assert_matches(adv, case["advantages"], "advantages")
+    assert_matches(ret, case["returns"], "returns")
+
+
+def _value_loss(mode: str, cliprange_value: float, rows: slice = slice(None), **kwargs):
+    v = INPUTS["value_loss"]
+    vpreds = tensor(v["vpreds"]).requires_grad_(True)
+    vf_loss, vf_clipfrac = ca.compute_value_loss(vpreds[rows], tensor(v["returns"])[rows], tensor(v["values"])[rows],
+                                                 tensor(v["response_mask"])[rows], cliprange_value,
+                                                 loss_agg_mode=mode, **kwargs)
+    (grad,) = torch.autograd.grad(vf_loss, vpreds)
+    return vf_loss, vf_clipfrac, grad
+
+
+@pytest.mark.parametrize("case", FIXTURES["value_loss"],
+                         ids=lambda c: f"{c['mode']}-{sorted(c['kwargs'])}-clip={c['cliprange_value']}")
+def test_value_loss(case):
+    vf_loss, vf_clipfrac, grad = _value_loss(case["mode"], case["cliprange_value"], **case["kwargs"])
+    assert_matches(vf_loss, case["vf_loss"], "vf_loss")
+    assert_matches(vf_clipfrac, case["vf_clipfrac"], "vf_clipfrac")
+    assert_matches(grad, case["grad"], "grad")
+
+
+@pytest.mark.parametrize("mode", ca.LOSS_AGG_MODES)
+def test_value_loss_data_parallel_split(mode):
+    """2 ranks x 2 micro-batches with the mini-batch's global counts: each rank backpropagates the sum of its
+    micro-batch losses, FSDP averages the gradients; loss and gradient equal one process's with the same counts."""
+    mask = tensor(INPUTS["value_loss"]["response_mask"])
+    info = {"dp_size": 2, "batch_num_tokens": int(mask.sum()), "global_batch_size": mask.shape[0]}
+    ranks = [[slice(0, 2), slice(2, 4)], [slice(4, 6), slice(6, 8)]]  # row 5 (fully masked) is on rank 1
+    parts = [[_value_loss(mode, 0.2, s, **info) for s in rank] for rank in ranks]
+    fsdp_loss = sum(loss for rank in parts for loss, _, _ in rank) / 2
+    fsdp_grad = sum(grad for rank in parts for _, _, grad in rank) / 2
+    single_loss, _, single_grad = _value_loss(mode, 0.2, batch_num_tokens=info["batch_num_tokens"],
+                                              global_batch_size=info["global_batch_size"])
+    assert_matches(fsdp_loss, single_loss.detach(), "FSDP mean vs one process")
+    assert_matches(fsdp_grad, single_grad, "FSDP gradient vs one process")
