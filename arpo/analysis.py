@@ -289,6 +289,7 @@ def rollout_rows(batch: Any, data_sources: Sequence[str] | None = None) -> list[
         rows.append(json_safe({
             "row": i, "group": group,
             "parent_index": int(nt["parent_index"][i]), "branch_pos": int(nt["branch_pos"][i]),
+            "tree_index": int(nt["tree_index"][i]) if "tree_index" in nt else None,  # Tree-GRPO's trees
             "rollout_kind": nt["rollout_kind"][i] if "rollout_kind" in nt else None,
             "finish_reason": nt["finish_reason"][i] if "finish_reason" in nt else None,
             "response_length": length,

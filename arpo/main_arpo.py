@@ -25,6 +25,7 @@ ROLLOUT_MODES = ("arpo", "single", "agent_loop")
 
 def validate_config(cfg: DictConfig) -> None:
     """Every cross-key rule, checked before anything starts; each failure is one line naming keys and fix."""
+    from arpo.engine.config import EngineConfig
     from arpo.rollout.config import ARPORolloutConfig
     from arpo.trainer.actor_config import rollout_temperature, validate_actor_config, validate_critic_config
     from arpo.trainer.algo_config import validate_algorithm_config
@@ -57,6 +58,7 @@ def validate_config(cfg: DictConfig) -> None:
             require_path(f, f"data.{key}", "generate the data with `python -m arpo.data.synthetic` or point it at "
                                            "verl-format parquet files", kind="file")
     try:
+        EngineConfig.from_cfg(cfg)
         arpo_cfg = ARPORolloutConfig.from_dict(r.arpo)
         validate_algorithm_config(cfg)
         validate_actor_config(cfg)
@@ -70,6 +72,10 @@ def validate_config(cfg: DictConfig) -> None:
     if cfg.ray_init.address is None and cfg.ray_init.num_cpus is not None:
         require_cpus(cfg, cfg.ray_init.num_cpus, "ray_init.num_cpus gives",
                      "raise ray_init.num_cpus (logical CPUs may exceed the cores) or lower the others")
+    if cfg.ray_init.address is None and cfg.trainer.nnodes > 1:
+        raise ConfigError(f"trainer.nnodes={cfg.trainer.nnodes} needs a Ray cluster of that many nodes, and a run "
+                          f"without ray_init.address starts a private one-node cluster: start one (ray start "
+                          f"--head, then ray start --address=... on the others) and set ray_init.address")
     if arpo_cfg.max_response_length > cfg.data.max_response_length:
         raise ConfigError(f"actor_rollout_ref.rollout.arpo.max_response_length={arpo_cfg.max_response_length} exceeds "
                           f"data.max_response_length={cfg.data.max_response_length}")
@@ -90,7 +96,7 @@ def worker_groups(cfg: DictConfig) -> list[str]:
 def ray_cpus_needed(cfg: DictConfig) -> float:
     groups = len(worker_groups(cfg))
     ranks = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    return groups * ranks * float(cfg.trainer.cpus_per_worker) + 1
+    return groups * ranks * float(cfg.trainer.cpus_per_worker) + cfg.actor_rollout_ref.rollout.num_replicas
 
 
 def require_cpus(cfg: DictConfig, have: float, where: str, fix: str) -> None:
@@ -100,7 +106,7 @@ def require_cpus(cfg: DictConfig, have: float, where: str, fix: str) -> None:
     if needed > have:
         raise ConfigError(f"{where} {have:g} CPUs, fewer than the {needed:g} the actors ask for (trainer.nnodes x "
                           f"trainer.n_gpus_per_node x trainer.cpus_per_worker per worker group, "
-                          f"{' + '.join(worker_groups(cfg))}, + 1 for the engine): {fix}")
+                          f"{' + '.join(worker_groups(cfg))}, + 1 per engine replica): {fix}")
 
 
 def check_cluster_fits(cfg: DictConfig) -> None:
@@ -109,6 +115,13 @@ def check_cluster_fits(cfg: DictConfig) -> None:
     import ray
 
     if cfg.ray_init.address is not None:
+        from arpo.ray_utils import rank_nodes
+
+        try:
+            gpus = 1.0 if cfg.trainer.device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+            rank_nodes(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, float(cfg.trainer.cpus_per_worker), gpus)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         require_cpus(cfg, ray.cluster_resources().get("CPU", 0.0),
                      f"the Ray cluster at ray_init.address={cfg.ray_init.address} has",
                      "add nodes to the cluster or lower those keys")
@@ -118,7 +131,7 @@ def build_trainer(cfg: DictConfig):
     from transformers import AutoTokenizer
 
     from arpo.data.rl_dataset import create_rl_dataloaders
-    from arpo.engine.factory import create_engine
+    from arpo.engine.factory import create_engines
     from arpo.ray_utils import init_ray
     from arpo.tracking import Tracking
     from arpo.trainer.ray_trainer import RayARPOTrainer, TrainerCheckpointer
@@ -133,36 +146,39 @@ def build_trainer(cfg: DictConfig):
     init_ray(cfg)
     check_cluster_fits(cfg)
     tools = load_tools(cfg.tools)
-    engine, groups = _start_engine_and_workers(cfg, create_engine, RayWorkerGroup)
-    rollout = build_rollout(cfg, engine, tokenizer, tools)
+    engines, groups = _start_engine_and_workers(cfg, create_engines, RayWorkerGroup)
+    if len(engines) > 1:
+        logger.info("%d engine replicas on Ray nodes %s", len(engines), [getattr(e, "node_id", None) for e in engines])
+    rollout = build_rollout(cfg, engines, tokenizer, tools)
     reward_manager = RewardManager.from_config(cfg)
     tracker = Tracking(t.project_name, t.experiment_name, list(t.logger), Path(t.output_dir) / "logs",
                        config=OmegaConf.to_container(cfg, resolve=True), wandb_mode=t.wandb_mode)
     checkpointer = TrainerCheckpointer(t.default_local_dir, t.resume_mode, t.resume_from_path,
                                        t.max_actor_ckpt_to_keep)
     trainer = RayARPOTrainer(cfg, tokenizer, train_loader, val_loader, rollout, groups["actor"], groups.get("ref"),
-                             engine, reward_manager, tracker, checkpointer, critic_wg=groups.get("critic"))
+                             engines, reward_manager, tracker, checkpointer, critic_wg=groups.get("critic"))
     return trainer
 
 
-def _start_engine_and_workers(cfg: DictConfig, create_engine, worker_group) -> tuple[Any, dict[str, Any]]:
-    """The rollout engine and the worker groups by role (:func:`worker_groups`). On CPU their start-ups (process
-    spawns, imports, model loads; ~10 s each here) run at once. On a GPU they start one after another, as in verl:
-    vLLM sizes its KV cache from the memory free while it profiles, which ranks loading beside it would change."""
+def _start_engine_and_workers(cfg: DictConfig, create_engines, worker_group) -> tuple[list[Any], dict[str, Any]]:
+    """The rollout engine's replicas and the worker groups by role (:func:`worker_groups`). On CPU their start-ups
+    (process spawns, imports, model loads; ~10 s each here) run at once. On a GPU they start one after another, as
+    in verl: vLLM sizes its KV cache from the memory free while it profiles, which ranks loading beside it would
+    change."""
     import ray
 
     roles = worker_groups(cfg)
     device = cfg.trainer.device
     if device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0):
-        engine = create_engine(cfg)
-        return engine, {role: worker_group(cfg, role=role) for role in roles}
+        engines = create_engines(cfg)
+        return engines, {role: worker_group(cfg, role=role) for role in roles}
     with ThreadPoolExecutor(1 + len(roles), thread_name_prefix="start-up") as pool:
-        engine = pool.submit(create_engine, cfg)
+        engines = pool.submit(create_engines, cfg)
         groups = {role: pool.submit(worker_group, cfg, role=role) for role in roles}
-        return engine.result(), {role: g.result() for role, g in groups.items()}
+        return engines.result(), {role: g.result() for role, g in groups.items()}
 
 
-def build_rollout(cfg: DictConfig, engine: Any, tokenizer: Any, tools: Any):
+def build_rollout(cfg: DictConfig, engines: list[Any], tokenizer: Any, tools: Any):
     r = cfg.actor_rollout_ref.rollout
     if r.mode in ("arpo", "single"):
         from arpo.rollout.arpo_rollout import ARPORollout
@@ -170,10 +186,10 @@ def build_rollout(cfg: DictConfig, engine: Any, tokenizer: Any, tools: Any):
         arpo_cfg = dict(OmegaConf.to_container(r.arpo, resolve=True))
         arpo_cfg["mode"] = r.mode
         arpo_cfg["calculate_log_probs"] = bool(r.calculate_log_probs)
-        return ARPORollout(engine, tokenizer, arpo_cfg, tools)
+        return ARPORollout(engines, tokenizer, arpo_cfg, tools)
     from arpo.agent_loop.manager import AgentLoopConfig, AgentLoopManager
 
-    return AgentLoopManager([engine], tokenizer, AgentLoopConfig.load(
+    return AgentLoopManager(engines, tokenizer, AgentLoopConfig.load(
         OmegaConf.to_container(cfg.agent_loop, resolve=True)), tools=list(tools.values()),
         calculate_log_probs=bool(r.calculate_log_probs))
 
@@ -216,8 +232,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         trainer.close()
         # The engine actor's vLLM engine core is its child process, which Ray's shutdown does not reach: stopped
         # here, or it outlives the run (seen as orphaned VLLM::EngineCore processes after ablation runs).
-        if hasattr(trainer.engine, "kill"):
-            trainer.engine.kill()
+        for engine in trainer.engines:
+            if hasattr(engine, "kill"):
+                engine.kill()
     out = Path(cfg.trainer.output_dir)
     gain = validation_gain(cfg.trainer.validation_data_dir, trainer.global_step)
     plots = write_plots(out, cfg.trainer.rollout_data_dir)

@@ -134,3 +134,36 @@ def stop_ray() -> None:
 
     if ray.is_initialized():
         ray.shutdown()
+
+
+def cluster_nodes(cpus: float = 0.0, gpus: float = 0.0) -> list[str]:
+    """Ids of the alive nodes with at least ``cpus`` CPUs and ``gpus`` GPUs in all, most CPUs first (ties by id), so
+    that every caller sees the nodes in the same order."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")
+             and n["Resources"].get("CPU", 0.0) >= cpus and n["Resources"].get("GPU", 0.0) >= gpus]
+    return [n["NodeID"] for n in sorted(nodes, key=lambda n: (-n["Resources"].get("CPU", 0.0), n["NodeID"]))]
+
+
+def rank_nodes(nnodes: int, ranks_per_node: int, cpus_per_rank: float, gpus_per_rank: float) -> list[str] | None:
+    """The node of each training rank when the ranks span ``nnodes`` nodes (``trainer.nnodes``): rank r on the
+    (r // ranks_per_node)-th node with room for its ranks. None for one node (Ray places the ranks). Every worker
+    group gets the same assignment, so rank r of the actor, the reference and the critic share a node."""
+    if nnodes == 1:
+        return None
+    nodes = cluster_nodes(cpus_per_rank * ranks_per_node, gpus_per_rank * ranks_per_node)
+    if len(nodes) < nnodes:
+        raise ValueError(f"trainer.nnodes={nnodes}: the Ray cluster has {len(nodes)} node(s) with room for "
+                         f"trainer.n_gpus_per_node={ranks_per_node} ranks of {cpus_per_rank:g} CPU(s) and "
+                         f"{gpus_per_rank:g} GPU(s); add nodes (ray start --address=...) or lower trainer.nnodes")
+    return [nodes[r // ranks_per_node] for r in range(nnodes * ranks_per_node)]
+
+
+def node_strategy(node_id: str | None, soft: bool = False) -> Any:
+    """Ray scheduling strategy pinning an actor to ``node_id`` (None: Ray's default placement)."""
+    if node_id is None:
+        return "DEFAULT"
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id=node_id, soft=soft)

@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import importlib
 import json
-import os
 import platform
 import statistics
 import sys
@@ -53,7 +52,7 @@ from arpo.rollout.arpo_rollout import ARPORollout, ARPORolloutConfig  # noqa: E4
 from tools.base import BaseTool  # noqa: E402
 
 
-class _InstantTool(BaseTool):
+class InstantTool(BaseTool):
     """A deterministic tool, instant unless ``--tool-latency-ms`` asks for a delay per call (a real search or
     sandbox takes tens of milliseconds, which matters once generation is fast)."""
 
@@ -70,11 +69,11 @@ class _InstantTool(BaseTool):
         return f"{self.name} result for: {content.strip()[:200]}"
 
 
-class _Search(_InstantTool):
+class InstantSearch(InstantTool):
     name = "search"
 
 
-class _Python(_InstantTool):
+class InstantPython(InstantTool):
     name = "python"
 
 
@@ -126,7 +125,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     if args.tools_factory:
         tools = _load(args.tools_factory)()
     else:
-        tools = [_Search(), _Python()]
+        tools = [InstantSearch(), InstantPython()]
         for tool in tools:
             tool.latency_s = args.tool_latency_ms / 1000
     if args.data:

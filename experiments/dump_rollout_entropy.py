@@ -67,7 +67,7 @@ async def _dump_jobs(jobs, data, split, limit, n, initial, backend, overrides) -
             prompts = [tok.apply_chat_template(list(p), add_generation_prompt=True, tokenize=True)["input_ids"]
                        for p in df.prompt]
             tools = load_tools(cfg.tools)
-            rollout = build_rollout(cfg, engine, tok, tools)
+            rollout = build_rollout(cfg, [engine], tok, tools)
             try:
                 batch = await rollout.agenerate(prompts)
             finally:

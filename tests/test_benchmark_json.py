@@ -71,6 +71,14 @@ def test_bench_algos():
         assert adv[name]["max_abs_diff"] < 1e-4  # the two forms agree
 
 
+def test_bench_replicas():
+    result = run_bench("bench_replicas.py", "--prompts", 4, "--n", 4, "--initial", 2, "--repeats", 1)
+    scripted = result["scripted"]
+    assert scripted["replicas_2_same_batch"] is True  # the split over replicas changes no trajectory
+    assert scripted["replicas_1"]["wall_s_median"] > 0 and scripted["replicas_2_over_1_wall"] > 0
+    assert "vllm" not in result  # only with --model
+
+
 def test_bench_tree_packing():
     result = run_bench("bench_tree_packing.py", "--groups", 1, "--layers", 1, "--repeats", 1, "--prompt-len", 20)
     assert 0 < result["unique_over_total_tokens"] < 1 and result["groups"] >= 1

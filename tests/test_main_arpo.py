@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -69,7 +70,12 @@ def start_up_config_error(model: Path, data: Path, *overrides: str) -> str:
     (["preset=ppo", "critic.optim.lr=0"], "critic.optim.lr must be a number in (0.0, 1.0]"),
     (["preset=ppo", "trainer.critic_warmup=-1"], "trainer.critic_warmup must be an integer >= 0"),
     (["preset=ppo", "critic.model.path=/nonexistent"], "critic.model.path=/nonexistent is not an HF model directory"),
-    (["preset=ppo", "ray_init.num_cpus=4"], "actor + critic, + 1 for the engine"),
+    (["preset=ppo", "ray_init.num_cpus=4"], "actor + critic, + 1 per engine replica"),
+    (["actor_rollout_ref.rollout.num_replicas=0"], "actor_rollout_ref.rollout.num_replicas=0: must be >= 1"),
+    (["actor_rollout_ref.rollout.num_replicas=2", "actor_rollout_ref.rollout.ray_actor=false"],
+     "num_replicas=2 needs actor_rollout_ref.rollout.ray_actor=true"),
+    (["actor_rollout_ref.rollout.num_replicas=5"], "fewer than the 7 the actors ask for"),
+    (["trainer.nnodes=2", "trainer.n_gpus_per_node=1"], "trainer.nnodes=2 needs a Ray cluster of that many nodes"),
 ])
 def test_bad_config_fails_at_start_up_naming_the_key(tiny_model_dir, synthetic_dir, overrides, expect):
     assert expect in start_up_config_error(tiny_model_dir, synthetic_dir, *overrides)
@@ -100,29 +106,50 @@ def _kill_session(sid: int, timeout: float = 30.0) -> None:
         time.sleep(0.2)
 
 
+def multi_node_env(multi_node: bool) -> dict[str, str]:
+    """Ray's switch for clusters of several nodes: init_ray sets it to 0, which keeps a one-node cluster on
+    127.0.0.1; a node joining another refuses to start with it, so a cluster of several nodes (and every process
+    that joins it: the nodes and the driver) runs with 1, on the machine's routable address."""
+    return {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1" if multi_node else "0"}
+
+
 @contextmanager
-def ray_head(num_cpus: int) -> Iterator[str]:
-    """A Ray head node started as a user starts one (``ray start --head``) on 127.0.0.1; yields its address.
-    Its processes live in their own session, which is killed afterwards (never ``ray stop``: that would also stop
-    this pytest's own Ray)."""
+def ray_head(num_cpus: int, worker_cpus: tuple[int, ...] = ()) -> Iterator[str]:
+    """A Ray head node started as a user starts one (``ray start --head``) on 127.0.0.1, and a worker node of
+    ``worker_cpus[i]`` CPUs joined to it for each entry (``ray start --address``: several nodes, simulated on this
+    machine); yields the head's address. Their processes live in their own sessions, which are killed afterwards
+    (never ``ray stop``: that would also stop this pytest's own Ray)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     temp_dir = tempfile.mkdtemp(prefix="rayhead", dir="/tmp")  # Ray's socket paths must stay short
     env = {**_env(), "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_raylet_start_wait_time_s": "120"}  # as init_ray sets
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": multi_node_env(bool(worker_cpus))["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"],
+           "RAY_raylet_start_wait_time_s": "120"}  # as init_ray sets
     start = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
                               "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", "--num-gpus=0",
                               "--include-dashboard=false", f"--temp-dir={temp_dir}",
                               "--object-store-memory=209715200"],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)
+    workers: list[subprocess.Popen] = []
     try:
         out, _ = start.communicate(timeout=180)  # returns once the head's raylet is up
         assert start.returncode == 0, out[-3000:]
-        yield f"127.0.0.1:{port}"
+        # the address the head serves on: 127.0.0.1 alone, the routable one for several nodes
+        host = re.search(r"Local node IP\D*?(\d+\.\d+\.\d+\.\d+)", re.sub(r"\x1b\[[0-9;]*m", "", out))[1]
+        for cpus in worker_cpus:
+            workers.append(subprocess.Popen(
+                [sys.executable, "-m", "ray.scripts.scripts", "start", f"--address={host}:{port}",
+                 "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}", "--num-gpus=0",
+                 "--object-store-memory=209715200"],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
+            out, _ = workers[-1].communicate(timeout=180)
+            assert workers[-1].returncode == 0, out[-3000:]
+        yield f"{host}:{port}"
     finally:
-        _kill_session(start.pid)
+        for proc in [*workers, start]:
+            _kill_session(proc.pid)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -214,30 +241,46 @@ def test_dapo_preset_trains_on_informative_groups_of_several_rounds_on_a_joined_
     trees kept) and cut to train_batch_size, the overlong penalty in the reward, rollout correction (TIS) on the
     engine's recorded log-probs. The tiny model almost never
     answers correctly, so groups are told apart by their summed reward (format, overlong) instead of accuracy.
-    The run joins a Ray cluster started beforehand (``ray_init.address``), as on several machines, and leaves
-    it running; a cluster too small for the config is one clear error."""
+    The run joins a Ray cluster of two nodes started beforehand (``ray_init.address``), as on several machines,
+    with two training ranks (trainer.nnodes=2) and two engine replicas, one of each per node: the prompt groups
+    are spread over the replicas and every weight push reaches both; the run leaves the cluster running; a cluster
+    too small for the config is one clear error."""
     out = tmp_path / "dapo"
     data = sft_model_dir.parents[1] / "data" / "synthetic"
     common = (f"actor_rollout_ref.model.path={sft_model_dir}", f"synthetic.out_dir={data}",
               f"trainer.output_dir={out}", "trainer.logger=[console,jsonl]")
-    with ray_head(num_cpus=3) as address:
+    env = {**_env(), **multi_node_env(True)}
+    with ray_head(num_cpus=2, worker_cpus=(2,)) as address:
         too_big = subprocess.run(_cmd(*common, f"ray_init.address={address}", "trainer.n_gpus_per_node=2",
                                       "trainer.cpus_per_worker=2"),
-                                 cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=_env())
+                                 cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
         assert too_big.returncode == 2, too_big.stderr[-3000:]
         assert too_big.stderr.strip().splitlines()[-1].startswith(
-            f"config error: the Ray cluster at ray_init.address={address} has 3 CPUs"), too_big.stderr[-3000:]
+            f"config error: the Ray cluster at ray_init.address={address} has 4 CPUs"), too_big.stderr[-3000:]
+        too_many_nodes = subprocess.run(_cmd(*common, f"ray_init.address={address}", "trainer.nnodes=4",
+                                             "trainer.n_gpus_per_node=1",
+                                             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"),
+                                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
+        assert too_many_nodes.returncode == 2 and too_many_nodes.stderr.strip().splitlines()[-1].startswith(
+            "config error: trainer.nnodes=4: the Ray cluster has 2 node(s)"), too_many_nodes.stderr[-3000:]
 
-        r = subprocess.run(_cmd("preset=dapo", *common, f"ray_init.address={address}", "trainer.n_gpus_per_node=1",
+        r = subprocess.run(_cmd("preset=dapo", *common, f"ray_init.address={address}", "trainer.nnodes=2",
+                                "trainer.n_gpus_per_node=1",
                                 "trainer.total_training_steps=1", "trainer.test_freq=-1",
                                 "trainer.val_before_train=false", "data.gen_batch_size=4",
                                 "algorithm.filter_groups.metric=seq_reward",
                                 "algorithm.filter_groups.max_num_gen_batches=3",
                                 "actor_rollout_ref.rollout.calculate_log_probs=true",
-                                "algorithm.rollout_correction.rollout_is=token"),
-                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env=_env())
+                                "algorithm.rollout_correction.rollout_is=token",
+                                "actor_rollout_ref.rollout.num_replicas=2"),
+                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env=env)
         assert r.returncode == 0, r.stderr[-4000:]
-        assert f"joined ray cluster at {address}" in (out / "logs" / "arpo.log").read_text()
+        log = (out / "logs" / "arpo.log").read_text()
+        assert f"joined ray cluster at {address}" in log
+        nodes = re.search(r"2 engine replicas on Ray nodes \['(\w+)', '(\w+)'\]", log)
+        assert nodes and nodes[1] != nodes[2], log[-3000:]  # one replica per node
+        ranks = re.search(r"actor worker group: 2 ranks on Ray nodes \['(\w+)', '(\w+)'\]", log)
+        assert ranks and ranks[1] != ranks[2], log[-3000:]  # trainer.nnodes=2: one rank per node
         host, port = address.split(":")
         socket.create_connection((host, int(port)), timeout=5).close()  # the run left the cluster running
     steps = [m for m in _metrics(out) if m["step"] > 0]
@@ -248,6 +291,7 @@ def test_dapo_preset_trains_on_informative_groups_of_several_rounds_on_a_joined_
         assert (kept == 4) or rounds == 3  # stops as soon as the batch is full, else at the cap
         assert "reward/overlong/fraction" in m
         if kept:  # rollout correction: vLLM's and the FSDP trainer's log-probs (both fp32 here) nearly agree
+            assert m["rollout/weight_sync_replica_gap"] < 1e-4  # the update reached both replicas
             assert abs(m["rollout_corr/kl"]) < 1e-2 and m["rollout_corr/k3_kl"] < 1e-2
             assert 0.99 < m["rollout_corr/ratio_max"] < 2.0 and 0.9 < m["rollout_corr/rollout_is_mean"] < 1.1
             assert 0 <= m["training/rollout_probs_diff_mean"] <= m["training/rollout_probs_diff_max"] < 0.5
@@ -283,3 +327,33 @@ def test_aepo_preset_with_sequence_level_rollout_correction_trains(sft_model_dir
     assert abs(m["rollout_corr/kl"]) < 1e-3 and 0.9 < m["rollout_corr/rollout_is_mean"] <= 1.0 + 1e-3
     assert 0 < m["perf/packed_token_ratio"] < 1 and m["rollout/branches"] >= 0
     assert math.isfinite(m["actor/pg_loss"]) and m["rollout/trajectories"] == 4 * 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["reinforce_plus_plus", "tree_grpo"])
+def test_preset_trains_from_config_alone(preset, sft_model_dir, tmp_path):
+    """The presets without an end-to-end test of their own (grpo, arpo_soft and arpo_hard train in the ablation
+    smoke; dapo, aepo and ppo above): one step from ``preset=<name>`` alone, on the HF engine, which starts in
+    seconds (every other end-to-end run uses vLLM). REINFORCE++ whitens its returns over the batch; Tree-GRPO
+    grows initial_rollouts trees to M trajectories per prompt and adds intra-tree to inter-tree GRPO."""
+    out = tmp_path / preset
+    data = sft_model_dir.parents[1] / "data" / "synthetic"
+    r = subprocess.run(_cmd(f"preset={preset}", f"actor_rollout_ref.model.path={sft_model_dir}",
+                            f"synthetic.out_dir={data}", f"trainer.output_dir={out}", "trainer.logger=[console,jsonl]",
+                            "trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.val_before_train=false",
+                            "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.name=hf"),
+                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env=_env())
+    assert r.returncode == 0, r.stderr[-4000:]
+    (m,) = [m for m in _metrics(out) if m["step"] > 0]
+    assert m["rollout/trajectories"] == 4 * 4 and math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0
+    assert "rollout/weight_sync_probe" in m
+    config = (out / "config.yaml").read_text()
+    if preset == "reinforce_plus_plus":
+        assert "adv_estimator: reinforce_plus_plus" in config and "mode: single" in config
+        assert abs(m["critic/advantages/mean"]) < 1e-4  # whitened over the batch's model tokens
+    else:
+        assert "adv_estimator: tree_grpo" in config and "policy: tree_grpo" in config
+        rows = [json.loads(line) for line in (out / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+        assert len(rows) == 16 and all(row["tree_index"] is not None for row in rows)
+        trees = {g: {row["tree_index"] for row in rows if row["group"] == g} for g in {row["group"] for row in rows}}
+        assert all(len(t) == 2 for t in trees.values()), trees  # initial_rollouts trees per prompt

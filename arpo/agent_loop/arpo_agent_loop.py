@@ -15,20 +15,11 @@ import uuid
 from typing import Any
 
 from arpo.agent_loop.base import AgentLoopBase, AgentLoopContext, AgentLoopOutput, register
-from arpo.engine.base import GenerationOutput, SamplingParams
+from arpo.agent_loop.server_manager import SessionEngine
+from arpo.engine.base import SamplingParams
 from arpo.protocol import TOOL_TAGS
 from arpo.rollout.arpo_rollout import RolloutCall
 from arpo.rollout.config import ARPORolloutConfig
-
-
-class _GroupSession:
-    """The engine as one group sees it: every request on the same server (sticky session)."""
-
-    def __init__(self, server_manager: Any):
-        self.server_manager, self.session_id = server_manager, f"arpo-{uuid.uuid4().hex}"
-
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> GenerationOutput:
-        return await self.server_manager.generate(self.session_id, prompt_ids, params)
 
 
 @register("arpo_agent")
@@ -60,13 +51,13 @@ class ARPOAgentLoop(AgentLoopBase):
         seed = call_seed if call_seed is not None else (sampling_params.seed if sampling_params.seed is not None
                                                         else cfg.seed)
         prompt = self.ctx.templater.prompt_ids(messages, with_tools=False)
-        session = _GroupSession(self.ctx.server_manager)
+        session = SessionEngine(self.ctx.server_manager, f"arpo-{uuid.uuid4().hex}")
         call = RolloutCall(session, self.ctx.tokenizer, self.ctx.tool_executor, cfg, [prompt], seed,
                            group_ids=[group])
         try:
             trajectories = await call.run()
         finally:
-            self.ctx.server_manager.end_session(session.session_id)
+            session.close()
         metrics = call.metrics()
         timing = {"generate_sequences": metrics["timing_s/rollout_generate"],
                   "tool_calls": metrics["timing_s/rollout_tools"]}

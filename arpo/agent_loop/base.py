@@ -142,6 +142,10 @@ class AgentLoopContext:
     #: record the engine's log-prob of every sampled token (actor_rollout_ref.rollout.calculate_log_probs)
     calculate_log_probs: bool = False
 
+    def with_sampled_log_probs(self, params: SamplingParams) -> SamplingParams:
+        """``params`` asking the engine for the sampled token's log-prob (only) when log-probs are recorded."""
+        return params.with_(logprobs=0) if self.calculate_log_probs and params.logprobs is None else params
+
 
 class AgentLoopBase(ABC):
     """Drives one conversation (or, when ``returns_group``, one prompt's whole group) to the end."""

@@ -92,16 +92,16 @@ class ServerManager:
 
     # ------------------------------------------------------------------------------ generation
 
-    async def generate(self, session_id: str, prompt_ids: list[int],
-                       sampling_params: SamplingParams) -> GenerationOutput:
-        """Generate on the session's server; each turn gets a fresh engine request id."""
+    async def generate(self, session_id: str, prompt_ids: list[int], sampling_params: SamplingParams,
+                       request_id: str | None = None) -> GenerationOutput:
+        """Generate on the session's server; a turn without a ``request_id`` gets a fresh one."""
         idx = self.server_index(session_id)
         self._set_load(idx, +1)
         self.num_requests[idx] += 1
         try:
             return await call_server(self.servers[idx], "generate", prompt_ids=prompt_ids,
                                      sampling_params=sampling_params,
-                                     request_id=f"{session_id}-{uuid.uuid4().hex[:12]}")
+                                     request_id=request_id or f"{session_id}-{uuid.uuid4().hex[:12]}")
         finally:
             self._set_load(idx, -1)
 
@@ -122,3 +122,18 @@ class ServerManager:
 
     async def wake_up(self) -> None:
         await self.call_all("wake_up")
+
+
+class SessionEngine:
+    """One session's view of a :class:`ServerManager`, with the engine's ``generate``: every request goes to the
+    session's server, so an ARPO group's branches share one replica's prefix cache. :meth:`close` ends it."""
+
+    def __init__(self, server_manager: ServerManager, session_id: str):
+        self.server_manager, self.session_id = server_manager, session_id
+
+    async def generate(self, prompt_ids: list[int], sampling_params: SamplingParams,
+                       request_id: str | None = None) -> GenerationOutput:
+        return await self.server_manager.generate(self.session_id, prompt_ids, sampling_params, request_id)
+
+    def close(self) -> None:
+        self.server_manager.end_session(self.session_id)

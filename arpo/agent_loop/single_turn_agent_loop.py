@@ -19,9 +19,8 @@ class SingleTurnAgentLoop(AgentLoopBase):
         ctx = self.ctx
         prompt_ids = ctx.templater.prompt_ids(messages, with_tools=False)
         session = uuid.uuid4().hex
-        params = sampling_params.with_(max_tokens=min(sampling_params.max_tokens, ctx.response_length))
-        if ctx.calculate_log_probs and params.logprobs is None:
-            params = params.with_(logprobs=0)  # the sampled token's log-prob only
+        params = ctx.with_sampled_log_probs(
+            sampling_params.with_(max_tokens=min(sampling_params.max_tokens, ctx.response_length)))
         start = time.perf_counter()
         out = await ctx.server_manager.generate(session, prompt_ids, params)
         elapsed = time.perf_counter() - start

@@ -90,9 +90,7 @@ class ToolAgentLoop(AgentLoopBase):
 
     def sampling_params(self, base: SamplingParams) -> SamplingParams:
         stops = tuple(dict.fromkeys((*base.stop, *self.parser.stop_strings)))
-        if self.ctx.calculate_log_probs and base.logprobs is None:
-            base = base.with_(logprobs=0)  # the sampled token's log-prob only
-        return base.with_(stop=stops)
+        return self.ctx.with_sampled_log_probs(base).with_(stop=stops)
 
     # ----------------------------------------------------------------------------------- steps
 

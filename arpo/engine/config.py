@@ -51,6 +51,10 @@ class EngineConfig:
     cpu_threads: int | None = None
     #: run the engine in its own Ray actor process (arpo.engine.ray_engine) instead of in the caller's process.
     ray_actor: bool = False
+    #: engine replicas (each its own Ray actor, spread over nodes when there are several): the rollout gives each
+    #: prompt group to one of them and the weight sync reaches all. verl derives the number from GPUs / tensor
+    #: parallelism; here it is a key, so that CPU runs (and tests) can have several.
+    num_replicas: int = 1
     #: HF backend: most requests decoded together in one batch.
     hf_max_batch_size: int = 32
     #: extra keyword arguments passed verbatim to vLLM's AsyncEngineArgs (verl's engine_kwargs.vllm).
@@ -71,7 +75,10 @@ class EngineConfig:
             raise ValueError(f"{pre}.logprobs_mode={self.logprobs_mode!r}: choose one of {list(LOGPROBS_MODES)}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"{pre}.gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
-        for key in ("max_num_seqs", "tensor_model_parallel_size", "hf_max_batch_size"):
+        if self.num_replicas > 1 and not self.ray_actor:
+            raise ValueError(f"{pre}.num_replicas={self.num_replicas} needs {pre}.ray_actor=true (each replica is a "
+                             f"Ray actor)")
+        for key in ("max_num_seqs", "tensor_model_parallel_size", "hf_max_batch_size", "num_replicas"):
             if int(getattr(self, key)) < 1:
                 raise ValueError(f"{pre}.{key}={getattr(self, key)}: must be >= 1")
         if self.block_size is not None and (self.block_size < 16 or self.block_size % 16):

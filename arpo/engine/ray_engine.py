@@ -27,8 +27,10 @@ _MAX_CONCURRENCY = 4096
 class RayEngineClient:
     """Awaitable view of an engine actor: ``await client.generate(...)`` is ``await handle.generate.remote(...)``."""
 
-    def __init__(self, handle: "ray.actor.ActorHandle"):
+    def __init__(self, handle: "ray.actor.ActorHandle", node_id: str | None = None):
         self.handle = handle
+        #: the Ray node the actor runs on
+        self.node_id = node_id
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name.startswith("_"):
@@ -49,21 +51,33 @@ class RayEngineClient:
             ray.kill(self.handle)
 
 
-def launch_engine_actor(config: EngineConfig) -> RayEngineClient:
-    """Start the configured backend in a new actor (Ray must be initialised: :func:`arpo.ray_utils.init_ray`);
-    return once the engine is ready, raising the engine's own error if it failed to start."""
+def launch_engine_actors(config: EngineConfig) -> list[RayEngineClient]:
+    """Start ``config.num_replicas`` actors of the configured backend at once (Ray must be initialised:
+    :func:`arpo.ray_utils.init_ray`); return once all are ready, raising an engine's own error if one failed.
+    Several replicas go round-robin over the cluster's nodes (most CPUs first; soft: a full node passes its
+    replica on)."""
+    from arpo.ray_utils import cluster_nodes, node_strategy
+
     actor_cls = {"vllm": VLLMEngineActor, "hf": HFEngineActor}[config.name]
     num_gpus = config.tensor_model_parallel_size if ray.cluster_resources().get("GPU", 0) > 0 else 0
     options: dict[str, Any] = {"num_cpus": 1, "num_gpus": num_gpus, "max_concurrency": _MAX_CONCURRENCY}
+    nodes = cluster_nodes(1, num_gpus) if config.num_replicas > 1 else []
     if not num_gpus:
         # Ray pins OMP_NUM_THREADS to the actor's CPU share (1); the engine only computes while the trainer
-        # ranks wait for its rollouts, so it may use every core.
+        # ranks wait for its rollouts, so it may use every core (replicas share them).
         env = dict(ray.get_runtime_context().runtime_env.get("env_vars") or {})
-        env["OMP_NUM_THREADS"] = str(config.cpu_threads or _cores())
+        env["OMP_NUM_THREADS"] = str(config.cpu_threads or max(1, _cores() // config.num_replicas))
         options["runtime_env"] = {"env_vars": env}
-    handle = actor_cls.options(**options).remote(config)
-    ray.get(handle.get_startup_seconds.remote())
-    return RayEngineClient(handle)
+    handles = [actor_cls.options(**options, scheduling_strategy=node_strategy(
+        nodes[i % len(nodes)] if len(nodes) > 1 else None, soft=True)).remote(config)
+        for i in range(config.num_replicas)]
+    ray.get([h.get_startup_seconds.remote() for h in handles])
+    nodes = ray.get([h.__ray_call__.remote(_node_id) for h in handles])
+    return [RayEngineClient(h, node) for h, node in zip(handles, nodes)]
+
+
+def _node_id(actor: Any) -> str:
+    return ray.get_runtime_context().get_node_id()
 
 
 def _cores() -> int:

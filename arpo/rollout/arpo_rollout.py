@@ -79,6 +79,7 @@ import dataclasses
 import random
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any, Iterable, Mapping
 
 from arpo.batch import DataBatch, Trajectory, collate_trajectories
@@ -97,17 +98,27 @@ __all__ = ["ARPORollout", "ARPORolloutConfig", "RolloutCall", "derive_seed"]
 
 
 class ARPORollout:
-    """ARPO (or plain GRPO) rollouts of a tool-calling policy on an injected :class:`GenerationEngine`."""
+    """ARPO (or plain GRPO) rollouts of a tool-calling policy on an injected :class:`GenerationEngine`, or on
+    several replicas of it: each prompt group then runs on one replica (the least busy when the group starts;
+    sticky, so its branches share that replica's prefix cache). The trajectories do not depend on the split:
+    every request's seed derives from the group and branch, not from where it runs."""
 
     def __init__(
         self,
-        engine: GenerationEngine,
+        engine: GenerationEngine | Sequence[GenerationEngine],
         tokenizer: Any,
         config: ARPORolloutConfig | Mapping[str, Any] | None = None,
         tools: Mapping[str, BaseTool] | Iterable[BaseTool] | None = None,
         executor: ToolExecutor | None = None,
     ):
-        self.engine = engine
+        self.engines = list(engine) if isinstance(engine, Sequence) else [engine]
+        if not self.engines:
+            raise ValueError("ARPORollout needs at least one engine")
+        self.router = None
+        if len(self.engines) > 1:
+            from arpo.agent_loop.server_manager import ServerManager
+
+            self.router = ServerManager(self.engines)
         self.tokenizer = tokenizer
         self.config = config.validate() if isinstance(config, ARPORolloutConfig) else \
             ARPORolloutConfig.from_dict(config)
@@ -152,9 +163,19 @@ class ARPORollout:
             group_uids = [str(uuid.UUID(int=uid_rng.getrandbits(128), version=4)) for _ in prompts]
         if len(group_uids) != len(prompts):
             raise ValueError(f"{len(group_uids)} group uids for {len(prompts)} prompts")
-        call = RolloutCall(self.engine, self.tokenizer, self.executor, cfg, [list(map(int, p)) for p in prompts],
-                           seed, self.call_rate_prior)
-        trajectories = await call.run()
+        sessions = []
+        if self.router is not None:
+            from arpo.agent_loop.server_manager import SessionEngine
+
+            nonce = uuid.uuid4().hex[:8]
+            sessions = [SessionEngine(self.router, f"rollout-{nonce}-g{g}") for g in range(len(prompts))]
+        call = RolloutCall(sessions or self.engines[0], self.tokenizer, self.executor, cfg,
+                           [list(map(int, p)) for p in prompts], seed, self.call_rate_prior)
+        try:
+            trajectories = await call.run()
+        finally:
+            for session in sessions:
+                session.close()
         self.call_rate_prior = call.tree.call_rates.rates()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         batch = collate_trajectories(trajectories, pad, group_uids, group_fields, cfg.max_response_length)
@@ -204,9 +225,9 @@ class RolloutCall:
     (so nothing can leak into the next call). The batch rollout makes one per batch; the ARPO agent loop
     one per prompt group, with the group's row in ``group_ids`` so that it rolls out the same tree."""
 
-    def __init__(self, engine: GenerationEngine, tokenizer: Any, executor: ToolExecutor, cfg: ARPORolloutConfig,
-                 prompts: list[list[int]], seed: int, call_rate_prior: dict[int, float] | None = None,
-                 group_ids: list[int] | None = None):
+    def __init__(self, engine: GenerationEngine | Sequence[GenerationEngine], tokenizer: Any, executor: ToolExecutor,
+                 cfg: ARPORolloutConfig, prompts: list[list[int]], seed: int,
+                 call_rate_prior: dict[int, float] | None = None, group_ids: list[int] | None = None):
         self.cfg, self.executor, self.n_groups = cfg, executor, len(prompts)
         group_ids = list(range(len(prompts))) if group_ids is None else list(group_ids)
         if len(group_ids) != len(prompts):
@@ -221,8 +242,11 @@ class RolloutCall:
             stop=tuple(stop_strings(tool_names) + list(cfg.extra_stop)), stop_token_ids=tuple(cfg.stop_token_ids),
             logprobs=cfg.topk_logprobs if want_logprobs else None,
         )
+        engines = list(engine) if isinstance(engine, Sequence) else [engine] * len(prompts)  # one per group
+        if len(engines) != len(prompts):
+            raise ValueError(f"{len(engines)} engines for {len(prompts)} prompt groups")
         self.segments = SegmentRequester(
-            engine, tokenizer, params, seed=seed, nonce=uuid.uuid4().hex[:8],  # request ids only
+            engines, tokenizer, params, seed=seed, nonce=uuid.uuid4().hex[:8],  # request ids only
             group_ids=group_ids, window=cfg.entropy_window, max_response_length=cfg.max_response_length,
             window_logprobs_only=want_logprobs and not every_token, metrics=self.m)
         self.tree = RolloutTree(cfg, tokenizer, prompts, seed, tool_names, call_rate_prior or {}, self.m,

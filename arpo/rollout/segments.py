@@ -15,7 +15,7 @@ requests, or in an undetokenised request) is cut here, where an engine matching 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 from arpo.engine.base import GenerationEngine, GenerationOutput, SamplingParams
 from arpo.rollout.branch import Branch, Phase
@@ -55,10 +55,11 @@ class SegmentRequester:
     """Engine requests for one rollout call: seeds from each branch's identity and request number (so no
     output depends on the order requests complete in), request ids, and the engine-side counters."""
 
-    def __init__(self, engine: GenerationEngine, tok: Any, params: SamplingParams, *, seed: int, nonce: str,
-                 group_ids: list[int], window: int, max_response_length: int, window_logprobs_only: bool,
+    def __init__(self, engines: Sequence[GenerationEngine], tok: Any, params: SamplingParams, *, seed: int,
+                 nonce: str, group_ids: list[int], window: int, max_response_length: int, window_logprobs_only: bool,
                  metrics: RolloutMetrics):
-        self.engine, self.tok, self.params, self.seed, self.nonce = engine, tok, params, seed, nonce
+        #: each group's engine (the same one for every group unless the rollout spreads groups over replicas)
+        self.engines, self.tok, self.params, self.seed, self.nonce = list(engines), tok, params, seed, nonce
         self.group_ids = group_ids
         self.window, self.max_response_length = window, max_response_length
         self.want_logprobs = params.logprobs is not None
@@ -111,7 +112,7 @@ class SegmentRequester:
         b.n_requests += 1
         prompt = b.prompt_ids + b.response_ids + list(after or [])
         with self.m.generate_clock:
-            out = await self.engine.generate(prompt, params, request_id)
+            out = await self.engines[b.group].generate(prompt, params, request_id)
         c = self.m.count
         c["requests"] += 1
         if out.num_cached_tokens is not None:

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
-import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
@@ -56,7 +55,7 @@ def compute_advantage(batch: DataBatch, cfg: DictConfig) -> DataBatch:
 class RayARPOTrainer:
     """Runs ``trainer.total_training_steps`` (or ``trainer.total_epochs``) of ARPO on a Ray cluster."""
 
-    def __init__(self, cfg: DictConfig, tokenizer, train_data, val_data, rollout, actor_wg, ref_wg, engine,
+    def __init__(self, cfg: DictConfig, tokenizer, train_data, val_data, rollout, actor_wg, ref_wg, engines,
                  reward_manager, tracker, checkpointer, critic_wg=None):
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -66,7 +65,7 @@ class RayARPOTrainer:
         self.actor_wg = actor_wg
         self.ref_wg = ref_wg
         self.critic_wg = critic_wg
-        self.engine = engine
+        self.engines = list(engines)  # the rollout's replicas: each gets every weight push
         self.reward_manager = reward_manager
         self.tracker = tracker
         self.checkpointer = checkpointer
@@ -166,7 +165,7 @@ class RayARPOTrainer:
             if batch is None:  # dynamic sampling kept nothing: no signal to train on, the weights stay
                 return {**metrics, **timer.metrics()}
             if self.free_cache_engine:  # verl: the engine gives its GPU memory back while the actor trains
-                _run(self.engine.sleep())
+                _run_all(e.sleep() for e in self.engines)
             # On-policy (one mini-batch, one epoch: ARPO's setting) the update takes old log-probs and
             # actor/entropy from its own forward, as verl's dp_actor does; the released ARPO code (older
             # verl) always ran this pass, which changes only float rounding.
@@ -212,26 +211,31 @@ class RayARPOTrainer:
         return metrics
 
     def push_weights(self) -> dict[str, float]:
-        """Actor weights → safetensors dir → engine reload (+ prefix-cache reset inside update_weights).
+        """Actor weights → safetensors dir → every replica reloads them (+ prefix-cache reset inside update_weights).
 
-        Returns ``rollout/weight_sync_probe``: the engine's mean log-prob of its top-5 next tokens on a fixed
+        Returns ``rollout/weight_sync_probe``: the first replica's mean log-prob of its top-5 next tokens on a fixed
         probe prompt after the reload — it moves with every update, so a flat curve means the engine is not
-        receiving the weights."""
+        receiving the weights; with several replicas also ``rollout/weight_sync_replica_gap``, the largest
+        difference of the others' probes from the first's (0 up to kernel rounding when all got the weights)."""
         from arpo.engine.base import SamplingParams
 
         shutil.rmtree(self._weights_dir, ignore_errors=True)
         self._weights_dir.mkdir(parents=True)
         self.actor_wg.save_weights_for_engine(str(self._weights_dir))
         if self.free_cache_engine:  # awake before the reload: sleep level 2 discarded the weights
-            _run(self.engine.wake_up())
-        _run(self.engine.update_weights(str(self._weights_dir)))
-        probe = self.train_data.dataset[0]["raw_prompt_ids"]
-        out = _run(self.engine.generate(list(probe), SamplingParams(max_tokens=1, temperature=0.0, logprobs=5),
-                                        f"weight-sync-probe-{self.global_step}"))
+            _run_all(e.wake_up() for e in self.engines)
+        _run_all(e.update_weights(str(self._weights_dir)) for e in self.engines)
+        probe = list(self.train_data.dataset[0]["raw_prompt_ids"])
+        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+        outs = _run_all(e.generate(probe, params, f"weight-sync-probe-{self.global_step}-{r}")
+                        for r, e in enumerate(self.engines))
         # The greedy token is often near-certain (log-prob ~0, it barely moves); the runners-up move with
         # every update, so the probe is the mean log-prob of the top 5.
-        top = list(out.logprobs[0].values())
-        return {"rollout/weight_sync_probe": float(sum(top) / len(top))}
+        probes = [float(np.mean(list(out.logprobs[0].values()))) for out in outs]
+        metrics = {"rollout/weight_sync_probe": probes[0]}
+        if len(probes) > 1:
+            metrics["rollout/weight_sync_replica_gap"] = max(abs(p - probes[0]) for p in probes[1:])
+        return metrics
 
     # ---- validation --------------------------------------------------------------------------------------
     def validate(self) -> dict[str, float]:
@@ -374,16 +378,18 @@ def _shm_or_tmp() -> str:
     return "/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()
 
 
-def _run(maybe_awaitable):
+def _run_all(calls: Iterable[Any]) -> list[Any]:
+    """Await several engine calls at once (one per replica; a synchronous engine's results pass through); results
+    in order."""
     import asyncio
     import inspect
 
-    if inspect.isawaitable(maybe_awaitable):
-        return asyncio.run(_await(maybe_awaitable))
-    return maybe_awaitable
+    async def gather() -> list[Any]:
+        results = list(calls)
+        pending = [r for r in results if inspect.isawaitable(r)]
+        done = iter(await asyncio.gather(*pending))
+        return [next(done) if inspect.isawaitable(r) else r for r in results]
 
-
-async def _await(a):
-    return await a
+    return asyncio.run(gather())
 
 

@@ -4,7 +4,10 @@ vLLM computes with its own kernels (and on GPU in bf16), the FSDP actor with ano
 a little off the policy the trainer differentiates. verl 0.9 (``algorithm.rollout_correction``) weights each
 token's policy loss by the truncated importance ratio of the trainer's old log-prob over the rollout's
 (TIS: ``min(exp(old - rollout), threshold)``, detached), per token or per sequence, and logs how far apart the
-two are (``rollout_corr/*``). Log-ratios are clamped to ±20 before ``exp`` as verl does.
+two are (``rollout_corr/*``). Log-ratios are clamped to ±20 before ``exp`` as verl does. Differs from verl:
+``rollout_corr/k3_kl`` clamps its log-ratio too (verl's overflows to ~1e11 on a ±30 gap), ``rollout_corr/ratio_max``
+is the untruncated maximum ratio, logged whenever rollout log-probs exist (verl has only the truncated
+``rollout_is_max``), and the means are over each mini-batch, averaged over mini-batches (verl: over the batch).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ def rollout_is_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tenso
     if level not in ROLLOUT_IS_LEVELS:
         raise ValueError(f"rollout_is={level!r}: choose one of {list(ROLLOUT_IS_LEVELS)}")
     mask = response_mask.float()
-    log_ratio = (old_log_prob - rollout_log_prob).detach() * mask
+    # where, not a product: a non-finite value off the mask must not reach the row (verl's masked_sum does the same)
+    log_ratio = torch.where(response_mask.bool(), (old_log_prob - rollout_log_prob).detach(), 0.0)
     if level == "sequence":
         log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(log_ratio)
     weights = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)).clamp(max=threshold)

@@ -132,6 +132,12 @@ def gather_rows(results: list[dict[str, torch.Tensor]], is_pad: list[torch.Tenso
     return {k: torch.cat([r[k] for r in results])[keep] for k in results[0]}
 
 
+def _node_id(worker: Any) -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
 def _tensors_only(batch: DataBatch) -> DataBatch:
     """The workers read tensors only; leaving the object columns behind keeps the Ray transfers small."""
     return DataBatch(dict(batch.tensors), {}, dict(batch.meta))
@@ -140,17 +146,16 @@ def _tensors_only(batch: DataBatch) -> DataBatch:
 class RayWorkerGroup:
     """``world_size`` Ray actors running :class:`ActorWorker` with one role; every call reaches all of them.
 
-    ``num_cpus`` / ``num_gpus`` per actor default to ``trainer.cpus_per_worker`` and (on GPU) 1. Pass a
-    ``placement_group`` with one bundle per rank to co-locate groups (actor and ref ranks on the same GPU,
-    each with a fraction of it).
+    ``num_cpus`` / ``num_gpus`` per actor default to ``trainer.cpus_per_worker`` and (on GPU) 1. With
+    ``trainer.nnodes`` > 1 the ranks are pinned to nodes, ``trainer.n_gpus_per_node`` on each
+    (:func:`arpo.ray_utils.rank_nodes`); on one node Ray places them.
     """
 
     def __init__(self, config: Any, role: str = "actor", world_size: int | None = None,
-                 num_cpus: float | None = None, num_gpus: float | None = None, placement_group: Any = None,
-                 name_prefix: str | None = None):
+                 num_cpus: float | None = None, num_gpus: float | None = None, name_prefix: str | None = None):
         import ray
 
-        from arpo.ray_utils import init_ray
+        from arpo.ray_utils import init_ray, node_strategy, rank_nodes
         from arpo.trainer.critic_worker import CriticWorker
         from arpo.trainer.fsdp_worker import ActorWorker
 
@@ -166,20 +171,20 @@ class RayWorkerGroup:
         # glibc reads its tunables at process start: huge pages for the ranks' large blocks (memory.py).
         env = {**(ray.get_runtime_context().runtime_env.get("env_vars") or {}), **allocator_env()}
         remote_cls = ray.remote(CriticWorker if role == "critic" else ActorWorker)
+        nnodes = int(cfg_get(self.config, "trainer.nnodes", 1))
+        nodes = rank_nodes(nnodes, self.world_size // nnodes, num_cpus, num_gpus) if world_size is None else None
         self.workers = []
         for rank in range(self.world_size):
-            options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "runtime_env": {"env_vars": env}}
+            options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "runtime_env": {"env_vars": env},
+                                       "scheduling_strategy": node_strategy(nodes[rank] if nodes else None)}
             if name_prefix:
                 options["name"] = f"{name_prefix}_{role}_{rank}"
-            if placement_group is not None:
-                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=placement_group, placement_group_bundle_index=rank)
             self.workers.append(remote_cls.options(**options).remote(self.config, role, rank, self.world_size))
+        self.node_ids = ray.get([w.__ray_call__.remote(_node_id) for w in self.workers])
         master_addr, master_port = ray.get(self.workers[0].rendezvous_address.remote())
         self.init_info = self.execute_all("init_model", master_addr, master_port)
-        logger.info("%s worker group: %d ranks, %s", role, self.world_size, self.init_info[0])
+        logger.info("%s worker group: %d ranks on Ray nodes %s, %s", role, self.world_size, self.node_ids,
+                    self.init_info[0])
 
     # -- calling ----------------------------------------------------------------------------------------
 

@@ -111,7 +111,7 @@ def test_groups_spread_over_servers_and_each_stays_on_one(tokenizer):
            "max_response_length": 300}
     batch = agent_loop_batch(tokenizer, engines, cfg, n_prompts=8)
     assert list(batch["group_index"]) == [g for g in range(8) for _ in range(6)]
-    sessions = [{r.request_id.rsplit("-", 1)[0] for r in e.requests} for e in engines]
+    sessions = [{r.request_id.split("-t")[0] for r in e.requests} for e in engines]  # arpo-<call>-g<group>
     assert all(sessions) and not (sessions[0] & sessions[1])  # both used; no group on both
     assert len(sessions[0] | sessions[1]) == 8  # one session (one server) per group
 

@@ -367,6 +367,25 @@ def test_entropy_state_does_not_leak_between_calls():
     assert s1 == s2 and s1[0] != s1[1]
 
 
+@pytest.mark.parametrize("schedule", ["rounds", "async"])
+def test_replicas_take_whole_groups_and_give_the_same_batch(schedule):
+    """Two engine replicas: each prompt group runs on one of them (sticky: its branches share one prefix cache),
+    both get groups, and the batch is the one a single engine gives (request seeds follow groups and branches)."""
+    cfg = {**BASE, "schedule": schedule}
+    single, _, _ = rollout(cfg, seed=5, n_prompts=6)
+    replicas = [ShuffledLatency(1), ShuffledLatency(2)]
+    gen = ARPORollout(replicas, replicas[0].tokenizer, cfg, tools=[FakeSearch(), FakePython()])
+    prompts = [replicas[0].tokenizer.encode(f"Question {i}: what is the number?") for i in range(6)]
+    try:
+        spread = gen.generate(prompts, seed=5)
+    finally:
+        gen.close()
+    assert snapshot(spread) == snapshot(single)
+    groups = [{r.request_id.split("-g")[1].split("-")[0] for r in e.requests} for e in replicas]
+    assert all(groups) and not groups[0] & groups[1] and len(groups[0] | groups[1]) == 6
+    assert gen.router.num_requests == [len(e.requests) for e in replicas] and gen.router.in_flight == [0, 0]
+
+
 def own_records(rs):
     for i, r in enumerate(rs):
         for c in r["calls"]:

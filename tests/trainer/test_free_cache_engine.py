@@ -13,7 +13,7 @@ from arpo.trainer.ray_trainer import RayARPOTrainer
 def _trainer(engine, free: bool, tmp_path):
     # push_weights needs only these parts; the rest of the trainer is exercised end to end in test_main_arpo
     trainer = RayARPOTrainer.__new__(RayARPOTrainer)
-    trainer.engine, trainer.free_cache_engine, trainer.global_step = engine, free, 0
+    trainer.engines, trainer.free_cache_engine, trainer.global_step = [engine], free, 0
     trainer._weights_dir = tmp_path / "weights"
     trainer.actor_wg = SimpleNamespace(save_weights_for_engine=lambda path: None)
     trainer.train_data = SimpleNamespace(dataset=[{"raw_prompt_ids": [5, 6, 7]}])

@@ -25,6 +25,10 @@ def test_token_and_sequence_weights_by_hand():
     assert far.item() == pytest.approx(math.exp(20.0))  # log-ratios bounded at ±20, as verl bounds them
     with pytest.raises(ValueError, match="rollout_is='turn'"):
         rollout_is_weights(old, rollout, mask, "turn", 2.0)
+    poisoned = rollout.clone()
+    poisoned[:, 2] = -math.inf  # off the mask: must not reach the row's weights
+    assert torch.equal(rollout_is_weights(old, poisoned, mask, "sequence", 2.0), seq)
+    assert torch.equal(rollout_is_weights(old, poisoned, mask, "token", 1.5), token)
 
 
 def test_weights_scale_each_tokens_policy_loss_before_aggregation():

@@ -9,6 +9,12 @@ estimator with its "+" straight-through form (values and gradients), the entropy
 controller, GAE (the outcome inputs with random values, masked positions included, for three gamma / lam)
 and the critic's clipped value loss in every mode, with and without global normalisers, for two clip ranges
 (loss, clip fraction and gradient). The value loss's 2-rank split is checked against one process here.
+Rollout correction (arpo.trainer.rollout_correction): the TIS weights at token and sequence level for thresholds
+2.0 and 1.5 on log-ratios ~1e-3, ±1, ±30 (past SAFETY_BOUND per token) and rows whose summed log-ratio passes
+±20, with tool gaps, a fully masked row and far-apart values off the mask, with verl's rollout_is_mean (and at
+token level its rollout_is_max, the truncated weights' maximum); and the mismatch metrics the update logs from
+mismatch_sums against verl's compute_offpolicy_metrics (kl, k3_kl) and debug metrics
+(training/rollout_probs_diff_mean / _max). DAPO's overlong shaping is checked in tests/rewards/test_overlong.py.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import pytest
 import torch
 
 from arpo.trainer import core_algos as ca
+from arpo.trainer.rollout_correction import SAFETY_BOUND, mismatch_sums, rollout_is_weights
 
 FIXTURES = json.loads((Path(__file__).parent / "fixtures" / "verl_core_algos.json").read_text())
 INPUTS = FIXTURES["inputs"]
@@ -193,3 +200,65 @@ def test_value_loss_data_parallel_split(mode):
                                               global_batch_size=info["global_batch_size"])
     assert_matches(fsdp_loss, single_loss.detach(), "FSDP mean vs one process")
     assert_matches(fsdp_grad, single_grad, "FSDP gradient vs one process")
+
+
+def _rollout_corr_inputs(kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r = INPUTS[f"rollout_corr_{kind}"]
+    return tensor(r["old_log_prob"]), tensor(r["rollout_log_prob"]), tensor(r["response_mask"])
+
+
+def test_rollout_corr_fixtures_cover_the_edge_cases():
+    assert {(c["level"], c["threshold"]) for c in FIXTURES["rollout_corr"]} == {
+        (lv, th) for lv in ("token", "sequence") for th in (2.0, 1.5)}
+    for kind in ("small", "moderate", "huge", "seq_bound"):
+        old, rollout, mask = _rollout_corr_inputs(kind)
+        log_ratio = (old - rollout)[mask.bool()]
+        assert (mask.sum(-1) == 0).any()                                             # a fully masked row
+        assert any((row.diff() > 0).any() for row in mask)                           # tool gaps
+        assert ((old - rollout)[mask == 0].abs() >= 50).all()                        # far apart off the mask
+        seq_sums = ((old - rollout) * mask).sum(-1)
+        if kind == "small":
+            assert log_ratio.abs().max() < 1e-2
+        if kind == "huge":
+            assert log_ratio.abs().max() > SAFETY_BOUND
+        if kind == "seq_bound":
+            assert log_ratio.abs().max() < SAFETY_BOUND / 4
+            assert seq_sums.max() > SAFETY_BOUND and seq_sums.min() < -SAFETY_BOUND
+
+
+@pytest.mark.parametrize("case", FIXTURES["rollout_corr"],
+                         ids=lambda c: f"{c['inputs']}-{c['level']}-threshold={c['threshold']}")
+def test_rollout_is_weights(case):
+    """verl's compute_rollout_correction_weights(old - rollout, mask, level, threshold) weights (TIS)."""
+    old, rollout, mask = _rollout_corr_inputs(case["inputs"])
+    weights = rollout_is_weights(old, rollout, mask, case["level"], case["threshold"])
+    assert_matches(weights, case["weights"], "rollout_is_weights")
+    # rollout_corr/rollout_is_mean: the update's Σ weights / token count
+    assert_matches(weights.sum() / mask.sum(), case["rollout_is_mean"], "rollout_is_mean")
+    if case["level"] == "token":
+        # verl's rollout_is_max is the truncated weights' maximum; our rollout_corr/ratio_max is the untruncated
+        # ratio's (mismatch_sums), so they agree once truncated. (verl's sequence-level rollout_is_max is
+        # exp(max row sum of log-ratios, fully masked rows included), which we do not log.)
+        _, maxima = mismatch_sums(old, rollout, mask)
+        assert_matches(min(maxima[0], case["threshold"]), case["rollout_is_max"], "rollout_is_max")
+
+
+@pytest.mark.parametrize("case", FIXTURES["rollout_mismatch"], ids=lambda c: c["inputs"])
+def test_rollout_mismatch_metrics(case):
+    """The update's rollout_corr/kl, rollout_corr/k3_kl and training/rollout_probs_diff_mean (token sums of
+    mismatch_sums over the token count) and training/rollout_probs_diff_max, on one mini-batch, against verl's
+    compute_offpolicy_metrics and calculate_debug_metrics."""
+    old, rollout, mask = _rollout_corr_inputs(case["inputs"])
+    sums, maxima = mismatch_sums(old, rollout, mask)
+    n_tokens = float(mask.sum())
+    assert_matches(sums[0] / n_tokens, case["kl"], "rollout_corr/kl")
+    assert_matches(sums[2] / n_tokens, case["probs_diff_mean"], "training/rollout_probs_diff_mean")
+    assert_matches(maxima[1], case["probs_diff_max"], "training/rollout_probs_diff_max")
+    k3 = sums[1] / n_tokens
+    if case["inputs"] == "huge":
+        # A definitional difference: we clamp the log-ratio to ±SAFETY_BOUND before k3 = exp(r) - r - 1,
+        # verl's compute_offpolicy_metrics does not (its k3_kl has exp(30) tokens in its mean).
+        assert case["k3_kl"] > 1e3 * k3
+    else:
+        # verl sums in fp32 (a k3_kl of 20 is off by ~1e-6 there); ours in fp64
+        assert k3 == pytest.approx(case["k3_kl"], rel=TOL, abs=TOL), "rollout_corr/k3_kl"
