@@ -383,7 +383,9 @@ def test_replicas_take_whole_groups_and_give_the_same_batch(schedule):
     assert snapshot(spread) == snapshot(single)
     groups = [{r.request_id.split("-g")[1].split("-")[0] for r in e.requests} for e in replicas]
     assert all(groups) and not groups[0] & groups[1] and len(groups[0] | groups[1]) == 6
-    assert gen.router.num_requests == [len(e.requests) for e in replicas] and gen.router.in_flight == [0, 0]
+    # a speculative fill dropped mid-request may be cancelled after routing, before its engine saw it
+    assert all(routed >= len(e.requests) > 0 for routed, e in zip(gen.router.num_requests, replicas))
+    assert gen.router.in_flight == [0, 0]  # nothing left counted in flight, cancelled requests included
 
 
 def own_records(rs):
