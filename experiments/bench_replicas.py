@@ -110,6 +110,11 @@ async def _vllm(args: argparse.Namespace, cfg: ARPORolloutConfig) -> dict[str, A
     prompts = [tokenizer.apply_chat_template(list(m), add_generation_prompt=True, tokenize=True)["input_ids"]
                for m in rows]
 
+    from arpo.ray_utils import init_ray
+
+    # every pool stays up for the interleaved repeats: one logical CPU per replica (they compute one pool at a time)
+    init_ray({"num_cpus": sum(args.replicas)})
+
     def replicas(k: int) -> list[Any]:
         return create_engines(EngineConfig(model_path=args.model, name="vllm", ray_actor=True, num_replicas=k,
                                            max_model_len=2048))

@@ -57,7 +57,8 @@ class CriticWorker(ActorWorker):
     def model_path(self) -> str:
         path = cfg_get(self.config, "critic.model.path") or cfg_get(self.config, "actor_rollout_ref.model.path")
         if not path:
-            raise ValueError("critic.model.path and actor_rollout_ref.model.path are not set: give an HF model directory")
+            raise ValueError("critic.model.path and actor_rollout_ref.model.path are not set: give an HF model "
+                             "directory")
         return str(path)
 
     def load_model(self) -> torch.nn.Module:

@@ -211,7 +211,7 @@ class RayARPOTrainer:
         return metrics
 
     def push_weights(self) -> dict[str, float]:
-        """Actor weights → safetensors dir → every replica reloads them (+ prefix-cache reset inside update_weights).
+        """Actor weights → safetensors dir → every replica reloads them (+ a prefix-cache reset in update_weights).
 
         Returns ``rollout/weight_sync_probe``: the first replica's mean log-prob of its top-5 next tokens on a fixed
         probe prompt after the reload — it moves with every update, so a flat curve means the engine is not
@@ -324,8 +324,8 @@ class RayARPOTrainer:
 
 
 class TrainerCheckpointer:
-    """Driver side of checkpoints: actor (and critic) shards (the workers write them) + the driver's own state — dataloader
-    position, RNG states, step, KL controller — committed atomically as one ``global_step_N`` directory."""
+    """Driver side of checkpoints: actor (and critic) shards (the workers write them) + the driver's own state —
+    dataloader position, RNG states, step, KL controller — committed atomically as one ``global_step_N`` directory."""
 
     def __init__(self, root: str | Path, resume_mode: str = "auto", resume_from_path: str | None = None,
                  max_to_keep: int | None = None):

@@ -1,5 +1,5 @@
-"""N :class:`~arpo.trainer.fsdp_worker.ActorWorker` (or, for the critic, :class:`~arpo.trainer.critic_worker.CriticWorker`)
-ranks as Ray actors, called together.
+"""N :class:`~arpo.trainer.fsdp_worker.ActorWorker` ranks (for the critic,
+:class:`~arpo.trainer.critic_worker.CriticWorker`) as Ray actors, called together.
 
 Every model method is a collective (FSDP2 all-gathers parameters in each forward), so a call goes to *all*
 actors at once and is awaited with one ``ray.get([...])``; calling rank by rank would deadlock gloo/nccl.
