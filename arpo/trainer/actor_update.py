@@ -22,7 +22,6 @@ the same forward.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,7 +34,6 @@ from arpo.trainer.rollout_correction import mismatch_sums, rollout_is_weights
 if TYPE_CHECKING:
     from arpo.trainer.fsdp_worker import ActorWorker
 
-logger = logging.getLogger(__name__)
 
 #: Metrics returned by the update (verl's names).
 METRIC_KEYS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/entropy",
@@ -188,12 +186,7 @@ def ppo_update(worker: "ActorWorker", batch: DataBatch) -> dict[str, float]:
                 local[4] += float(clipfrac_lower.detach()) * n_tok
                 del log_prob, entropy, loss  # the graph is gone; let the next micro-batch reuse its memory
 
-            grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(worker.model.parameters(), max_norm=grad_clip))
-            if torch.isfinite(grad_norm):
-                worker.optimizer.step()
-            else:
-                logger.warning("actor: grad_norm is %s; skipping this mini-batch's optimizer step", grad_norm)
-                worker.optimizer.zero_grad(set_to_none=True)
+            grad_norm = worker.clip_and_step(grad_clip)
             tot = worker.all_reduce_sum(local)
             # Each rank's losses are (local numerator / global count) · world size.
             sums["actor/pg_loss"] += float(tot[0]) / worker.world_size

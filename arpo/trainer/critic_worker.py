@@ -10,18 +10,16 @@ tokens carry one: tool results and padding get 0.
 
 from __future__ import annotations
 
-import logging
 
 import torch
 
 from arpo.batch import DataBatch
 from arpo.trainer import core_algos
 from arpo.trainer.actor_config import cfg_get, rollout_n
-from arpo.trainer.actor_update import full_tensor, global_batch_info, mini_batch_indices, split_rows
+from arpo.trainer.actor_update import global_batch_info, mini_batch_indices, split_rows
 from arpo.trainer.fsdp_worker import ActorWorker
 from arpo.trainer.memory import release_memory
 
-logger = logging.getLogger(__name__)
 
 #: Metrics of :meth:`CriticWorker.update_critic` (verl's names).
 CRITIC_METRIC_KEYS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr")
@@ -155,12 +153,7 @@ class CriticWorker(ActorWorker):
                     n_tok = float(mask.sum())
                     local += torch.tensor([float(vf_loss.detach()), float(clipfrac) * n_tok,
                                            float((vpreds.detach() * mask).sum())], dtype=torch.float64)
-                grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=grad_clip))
-                if torch.isfinite(grad_norm):
-                    self.optimizer.step()
-                else:
-                    logger.warning("critic: grad_norm is %s; skipping this mini-batch's optimizer step", grad_norm)
-                    self.optimizer.zero_grad(set_to_none=True)
+                grad_norm = self.clip_and_step(grad_clip)
                 tot = self.all_reduce_sum(local)
                 per_tok = max(agg["batch_num_tokens"], 1.0)
                 sums["critic/vf_loss"] += float(tot[0]) / self.world_size  # each rank's loss is scaled by it

@@ -310,6 +310,17 @@ class ActorWorker:
     def all_reduce_max(self, values: list[float] | torch.Tensor) -> torch.Tensor:
         return self._all_reduce(values, dist.ReduceOp.MAX)
 
+    def clip_and_step(self, grad_clip: float) -> float:
+        """Clip the mini-batch's gradients to ``grad_clip`` (global norm) and take the optimizer step, or skip it
+        when the norm is not finite; returns the norm before clipping."""
+        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=grad_clip))
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            logger.warning("%s: grad_norm is %s; skipping this mini-batch's optimizer step", self.role, grad_norm)
+            self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
     def update_policy(self, batch: DataBatch) -> dict[str, float]:
         """PPO epochs over mini-batches over micro-batches; one optimizer step per mini-batch, one scheduler
         step per call. Needs ``responses``, ``input_ids``, ``attention_mask``, ``position_ids``,

@@ -8,7 +8,8 @@ import copy
 import pytest
 import torch
 
-from tests.trainer.workers_helpers import base_config, max_abs_diff, random_batch, ray_cluster, small_model  # noqa: F401
+from tests.trainer.workers_helpers import (base_config, max_abs_diff, random_batch, ray_cluster,  # noqa: F401
+                                           reference_mini_batches, small_model)
 
 pytestmark = pytest.mark.slow
 
@@ -52,22 +53,13 @@ def reference_update(model, batch, cfg: dict) -> list[float]:
     from arpo.trainer import core_algos
 
     c = cfg["critic"]
-    o = c["optim"]
-    opt = torch.optim.AdamW(model.parameters(), lr=o["lr"], betas=tuple(o["betas"]), weight_decay=o["weight_decay"],
-                            eps=o["eps"])
-    rows = c["ppo_mini_batch_size"] * cfg["actor_rollout_ref"]["rollout"]["n"]
     losses = []
-    for _ in range(c["ppo_epochs"]):
-        for start in range(0, len(batch), rows):
-            mb = batch.index(slice(start, start + rows))
-            opt.zero_grad(set_to_none=True)
-            mask = mb["response_mask"].float()
-            vf_loss, _ = core_algos.compute_value_loss(reference_values(model, mb), mb["returns"], mb["values"], mask,
-                                                       c["cliprange_value"], c["loss_agg_mode"],
-                                                       global_batch_size=len(mb))
-            vf_loss.backward()
-            opt.step()
-            losses.append(float(vf_loss.detach()))
+    for mb in reference_mini_batches(model, batch, c, cfg["actor_rollout_ref"]["rollout"]["n"]):
+        mask = mb["response_mask"].float()
+        vf_loss, _ = core_algos.compute_value_loss(reference_values(model, mb), mb["returns"], mb["values"], mask,
+                                                   c["cliprange_value"], c["loss_agg_mode"], global_batch_size=len(mb))
+        vf_loss.backward()
+        losses.append(float(vf_loss.detach()))
     return losses
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import random
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -116,6 +117,22 @@ def add_training_columns(batch: DataBatch, old_log_probs: torch.Tensor, seed: in
     return out
 
 
+def reference_mini_batches(model: torch.nn.Module, batch: DataBatch, section: dict, rollout_n: int
+                           ) -> Iterator[DataBatch]:
+    """One process's PPO schedule with plain AdamW over ``section`` (the actor's or the critic's config): every
+    mini-batch of ``ppo_mini_batch_size * rollout.n`` rows, every epoch. The caller backpropagates each mini-batch's
+    loss; the optimizer step follows when it asks for the next one (the last one's gradients stay)."""
+    o = section["optim"]
+    opt = torch.optim.AdamW(model.parameters(), lr=o["lr"], betas=tuple(o["betas"]), weight_decay=o["weight_decay"],
+                            eps=o["eps"])
+    rows = section["ppo_mini_batch_size"] * rollout_n
+    for _ in range(section["ppo_epochs"]):
+        for start in range(0, len(batch), rows):
+            opt.zero_grad(set_to_none=True)
+            yield batch.index(slice(start, start + rows))
+            opt.step()
+
+
 def reference_update(model_dir: Path, batch: DataBatch, cfg: dict) -> tuple[dict, dict, list[dict]]:
     """What one process does: whole mini-batches at once, plain HF model, plain AdamW.
     Returns (final params, gradients of the last mini-batch, per-mini-batch metrics)."""
@@ -125,35 +142,27 @@ def reference_update(model_dir: Path, batch: DataBatch, cfg: dict) -> tuple[dict
     from arpo.trainer.logprobs import compute_logprobs_and_entropy
 
     a = cfg["actor_rollout_ref"]["actor"]
-    o = a["optim"]
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=o["lr"], betas=tuple(o["betas"]), weight_decay=o["weight_decay"],
-                            eps=o["eps"])
-    rows = a["ppo_mini_batch_size"] * cfg["actor_rollout_ref"]["rollout"]["n"]
     metrics = []
-    for _ in range(a["ppo_epochs"]):
-        for start in range(0, len(batch), rows):
-            mb = batch.index(slice(start, start + rows))
-            opt.zero_grad(set_to_none=True)
-            # The plain padded layout with masked attention (fp32 ranks use it too: DeviceSettings.fast_layout).
-            logp, ent = compute_logprobs_and_entropy(model, mb["input_ids"], mb["attention_mask"], mb["position_ids"],
-                                                     mb["responses"].shape[1], calc_entropy=True, pack=False)
-            mask = mb["response_mask"].float()
-            mode = a["loss_agg_mode"]
-            # verl's actor divides the seq modes by all rows of the mini-batch (global_batch_size), even in one process.
-            agg = {"global_batch_size": len(mb), "loss_scale_factor": a.get("loss_scale_factor")}
-            pg_loss, clipfrac, ppo_kl, lower = core_algos.compute_policy_loss(
-                mb["old_log_probs"], logp, mb["advantages"], mask, cliprange=a["clip_ratio"],
-                cliprange_low=a["clip_ratio_low"], cliprange_high=a["clip_ratio_high"],
-                clip_ratio_c=a["clip_ratio_c"], loss_agg_mode=mode, **agg)
-            loss = pg_loss - a["entropy_coeff"] * core_algos.agg_loss(ent, mask, mode, **agg)
-            kl = core_algos.compute_kl_loss(logp, mb["ref_log_prob"], mask, a["kl_loss_type"], mode, **agg)
-            loss = loss + a["kl_loss_coef"] * kl
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), a["grad_clip"])
-            opt.step()
-            metrics.append({"pg_loss": float(pg_loss.detach()), "kl_loss": float(kl.detach()), "grad_norm": float(norm),
-                            "pg_clipfrac": float(clipfrac.detach()), "ppo_kl": float(ppo_kl.detach())})
+    for mb in reference_mini_batches(model, batch, a, cfg["actor_rollout_ref"]["rollout"]["n"]):
+        # The plain padded layout with masked attention (fp32 ranks use it too: DeviceSettings.fast_layout).
+        logp, ent = compute_logprobs_and_entropy(model, mb["input_ids"], mb["attention_mask"], mb["position_ids"],
+                                                 mb["responses"].shape[1], calc_entropy=True, pack=False)
+        mask = mb["response_mask"].float()
+        mode = a["loss_agg_mode"]
+        # verl's actor divides the seq modes by all rows of the mini-batch (global_batch_size), even in one process.
+        agg = {"global_batch_size": len(mb), "loss_scale_factor": a.get("loss_scale_factor")}
+        pg_loss, clipfrac, ppo_kl, lower = core_algos.compute_policy_loss(
+            mb["old_log_probs"], logp, mb["advantages"], mask, cliprange=a["clip_ratio"],
+            cliprange_low=a["clip_ratio_low"], cliprange_high=a["clip_ratio_high"],
+            clip_ratio_c=a["clip_ratio_c"], loss_agg_mode=mode, **agg)
+        loss = pg_loss - a["entropy_coeff"] * core_algos.agg_loss(ent, mask, mode, **agg)
+        kl = core_algos.compute_kl_loss(logp, mb["ref_log_prob"], mask, a["kl_loss_type"], mode, **agg)
+        loss = loss + a["kl_loss_coef"] * kl
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), a["grad_clip"])
+        metrics.append({"pg_loss": float(pg_loss.detach()), "kl_loss": float(kl.detach()), "grad_norm": float(norm),
+                        "pg_clipfrac": float(clipfrac.detach()), "ppo_kl": float(ppo_kl.detach())})
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return params, grads, metrics
