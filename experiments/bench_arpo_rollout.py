@@ -106,9 +106,11 @@ def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
     keys = ["rollout/tokens/generated", "rollout/tokens/discarded", "rollout/fill_predicted", "rollout/requests",
             "rollout/rounds", "rollout/branches",
             "rollout/tool_calls/total", "rollout/prefix_cache/hit_rate", "rollout/prefix_cache/branch_hit_rate",
-            "timing_s/rollout_generate", "timing_s/rollout_tools"]
+            "timing_s/rollout_generate", "timing_s/rollout_tools", "rollout/tokens/monitor",
+            "rollout/aepo/initial_rollouts_mean"]
     out = {"wall_s_median": statistics.median(wall), "wall_s_min": min(wall), "wall_s_all": wall}
-    out.update({k.split("/", 1)[1]: pick.get(k) for k in keys})
+    optional = {"rollout/tokens/monitor", "rollout/aepo/initial_rollouts_mean"}  # AEPO's pre-monitoring only
+    out.update({k.split("/", 1)[1]: pick.get(k) for k in keys if k in pick or k not in optional})
     out["tokens_per_s"] = pick["rollout/tokens/generated"] / pick["timing_s/rollout_total"]
     return out
 
@@ -163,6 +165,8 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         # the successors at the same budget: AEPO (ARPO damped after consecutive forks on a path) and
         # Tree-GRPO (initial trees grown from nodes at tool results; n must be a multiple of initial)
         "aepo": ARPORolloutConfig(**dict(arpo, policy="aepo")),
+        # AEPO with its entropy pre-monitoring: a probe trajectory per prompt first, then N set from its entropies
+        "aepo_pre_monitoring": ARPORolloutConfig(**dict(arpo, policy="aepo", aepo_pre_monitoring=True)),
         "tree_grpo": ARPORolloutConfig(**dict(arpo, policy="tree_grpo")),
         "single": ARPORolloutConfig(mode="single", **common),
         "single_rounds": ARPORolloutConfig(mode="single", **rounds),
@@ -189,7 +193,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
                                               rate_priors, mode))
     for mode in cfgs:
         result[mode] = _summary(runs[mode])
-    for mode in [m for m in cfgs if m.startswith("arpo")]:
+    for mode in [m for m in cfgs if not m.startswith("single")]:
         base = "single_rounds" if mode.endswith("_rounds") else "single"
         result[f"{mode}_over_{base}_wall"] = result[mode]["wall_s_median"] / result[base]["wall_s_median"]
         # the ratio within each repeat (same minute of machine time), robust to the machine's speed drifting

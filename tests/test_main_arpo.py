@@ -1,8 +1,9 @@
 """The trainer entry point: start-up validation (fast) and real end-to-end runs (slow: real vLLM in a Ray actor,
-real FSDP2 workers on gloo, real tools, real rewards): a 2-rank run on the agent-loop path killed with SIGKILL
-and resumed, and the DAPO preset on a Ray cluster started beforehand (``ray_init.address``). Soft and hard
-advantage train end to end in the ablation smoke (tests/test_ablation.py), which checks its runs with
-``check_training_run`` too."""
+real FSDP2 workers on gloo, real tools, real rewards): the DAPO preset on a Ray cluster started beforehand
+(``ray_init.address``), AEPO, and the presets without a run of their own. The SIGKILL-and-resume run is
+tests/test_main_arpo_resume.py (its own module, so the two test workers can share these minutes); soft and
+hard advantage train end to end in the ablation smoke (tests/test_ablation.py). All check their runs with
+``check_training_run``."""
 
 from __future__ import annotations
 
@@ -26,17 +27,17 @@ import pytest
 from arpo.config import REPO_ROOT
 
 
-def _cmd(*overrides: str) -> list[str]:
+def trainer_cmd(*overrides: str) -> list[str]:
     return [sys.executable, "-m", "arpo.main_arpo", *overrides]
 
 
-def _env() -> dict[str, str]:
+def run_env() -> dict[str, str]:
     return {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def _bad(model: Path, data: Path, *overrides: str) -> str:
-    r = subprocess.run(_cmd(f"actor_rollout_ref.model.path={model}", f"synthetic.out_dir={data}", *overrides),
-                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=_env())
+    r = subprocess.run(trainer_cmd(f"actor_rollout_ref.model.path={model}", f"synthetic.out_dir={data}", *overrides),
+                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=run_env())
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
@@ -71,6 +72,9 @@ def start_up_config_error(model: Path, data: Path, *overrides: str) -> str:
     (["preset=ppo", "trainer.critic_warmup=-1"], "trainer.critic_warmup must be an integer >= 0"),
     (["preset=ppo", "critic.model.path=/nonexistent"], "critic.model.path=/nonexistent is not an HF model directory"),
     (["preset=ppo", "ray_init.num_cpus=4"], "actor + critic, + 1 per engine replica"),
+    (["actor_rollout_ref.rollout.arpo.aepo_pre_monitoring=true"],
+     "aepo_pre_monitoring=True: true only with actor_rollout_ref.rollout.arpo.policy=aepo"),
+    (["preset=aepo", "actor_rollout_ref.rollout.arpo.aepo_beta=0"], "aepo_beta=0: must be a number > 0"),
     (["actor_rollout_ref.rollout.num_replicas=0"], "actor_rollout_ref.rollout.num_replicas=0: must be >= 1"),
     (["actor_rollout_ref.rollout.num_replicas=2", "actor_rollout_ref.rollout.ray_actor=false"],
      "num_replicas=2 needs actor_rollout_ref.rollout.ray_actor=true"),
@@ -86,7 +90,7 @@ def test_missing_model_path_names_the_key(synthetic_dir, tmp_path):
     assert "actor_rollout_ref.model.path" in line and "arpo.pipeline" in line
 
 
-def _kill_session(sid: int, timeout: float = 30.0) -> None:
+def kill_session(sid: int, timeout: float = 30.0) -> None:
     """SIGKILL every process of session ``sid`` and wait until none is left."""
     import psutil
 
@@ -123,7 +127,7 @@ def ray_head(num_cpus: int, worker_cpus: tuple[int, ...] = ()) -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     temp_dir = tempfile.mkdtemp(prefix="rayhead", dir="/tmp")  # Ray's socket paths must stay short
-    env = {**_env(), "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+    env = {**run_env(), "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": multi_node_env(bool(worker_cpus))["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"],
            "RAY_raylet_start_wait_time_s": "120"}  # as init_ray sets
     start = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
@@ -149,11 +153,11 @@ def ray_head(num_cpus: int, worker_cpus: tuple[int, ...] = ()) -> Iterator[str]:
         yield f"{host}:{port}"
     finally:
         for proc in [*workers, start]:
-            _kill_session(proc.pid)
+            kill_session(proc.pid)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def _metrics(out: Path) -> list[dict]:
+def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -161,8 +165,8 @@ def check_training_run(out: Path, steps: int, trajectories: int, model_type: str
                        first_actor_step: int = 1) -> None:
     """What every finished training run must leave: per-step metrics under verl's names, engine outputs that
     move with the weights after every actor update (from ``first_actor_step`` on), a final validation, the last
-    checkpoint and an HF export. Used by the resume test here (2 ranks, PPO with a critic, agent loops) and by the
-    ablation smoke (1 rank, grpo/soft/hard), which are the suite's end-to-end trainings."""
+    checkpoint and an HF export. Used by the resume test (2 ranks, PPO with a critic, agent loops) and by the
+    ablation smoke (1 rank, grpo/soft/hard), which are the suite's longest end-to-end trainings."""
     from transformers import AutoConfig
 
     metrics = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
@@ -183,59 +187,6 @@ def check_training_run(out: Path, steps: int, trajectories: int, model_type: str
 
 
 @pytest.mark.slow
-def test_sigkill_mid_training_resumes_from_the_last_checkpoint(sft_model_dir, tmp_path):
-    """A 2-rank PPO run (preset=ppo: actor, critic and GAE) on the agent-loop rollout path (the batch path trains
-    GRPO in the ablation smoke), killed after its first checkpoint and resumed to the end. Step 1 is the critic's
-    warm-up (trainer.critic_warmup=2: no actor update, the engine keeps its weights); the critic's shards are
-    saved with the actor's and restored on resume."""
-    import torch
-
-    out = tmp_path / "resume"
-    data = sft_model_dir.parents[1] / "data" / "synthetic"
-    args = _cmd("preset=ppo", f"actor_rollout_ref.model.path={sft_model_dir}", f"synthetic.out_dir={data}",
-                f"trainer.output_dir={out}", "trainer.logger=[console,jsonl]", "trainer.total_training_steps=2",
-                "trainer.save_freq=1", "trainer.test_freq=2", "trainer.val_before_train=false",
-                "trainer.validation.max_samples=8", "trainer.critic_warmup=2",
-                "actor_rollout_ref.rollout.mode=agent_loop")
-    proc = subprocess.Popen(args, cwd=REPO_ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    ckpt1 = out / "checkpoints" / "global_step_1"
-    deadline = time.time() + 900
-    while not ckpt1.exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(1)
-    assert ckpt1.exists(), "no checkpoint at step 1 before the deadline"
-    # The killed driver cannot stop its private Ray cluster; its raylets and workers (in their own process
-    # groups, in the driver's session) would hold its CPUs. Kill that session only: `ray stop --force` would
-    # also kill this pytest's own Ray (the trainer tests' cluster), and a user's other Ray jobs.
-    _kill_session(proc.pid)
-    proc.wait()
-    killed_at = max(int(p.name.split("_")[-1]) for p in (out / "checkpoints").glob("global_step_[0-9]*")
-                    if not p.name.endswith(".tmp"))
-    assert killed_at < 2
-    data = torch.load(out / "checkpoints" / f"global_step_{killed_at}" / "data.pt", weights_only=False)
-    assert data["batch_index"] == killed_at  # one batch of prompts per step so far
-
-    r = subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env=_env())
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert f"global step {killed_at})" in r.stderr + r.stdout
-    final = torch.load(out / "checkpoints" / "global_step_2" / "trainer_state.pt", weights_only=False)
-    assert final["global_step"] == 2
-    assert torch.load(out / "checkpoints" / "global_step_2" / "data.pt", weights_only=False)["batch_index"] == 2
-    logged = [m["step"] for m in _metrics(out) if m["step"] > 0]
-    # every step is logged, the steps after the checkpoint once more by the resumed run, none skipped
-    assert set(logged) == {1, 2}
-    assert logged[-(2 - killed_at):] == list(range(killed_at + 1, 3))
-    check_training_run(out, steps=2, trajectories=4 * 4, first_actor_step=2)
-    assert (out / "checkpoints" / "global_step_2" / "critic" / "contents.json").exists()
-    for m in _metrics(out):
-        if m["step"] > 0:  # the critic learns every step, warm-up included; GAE's advantages are whitened
-            assert math.isfinite(m["critic/vf_loss"]) and m["critic/vf_loss"] > 0 and "critic/vf_explained_var" in m
-            assert abs(m["critic/advantages/mean"]) < 1e-4 and m["critic/values/min"] < m["critic/values/max"]
-    # train_batch_size x rollout.n through the agent loops: the batch rollout's layout
-    assert all(m["agent_loop/num_trajectories"] == 4 * 4 for m in _metrics(out) if m["step"] > 0)
-
-
-@pytest.mark.slow
 def test_dapo_preset_trains_on_informative_groups_of_several_rounds_on_a_joined_cluster(sft_model_dir, tmp_path):
     """preset=dapo end to end (one step): groups filtered over generation rounds, rounds joined (re-padded,
     trees kept) and cut to train_batch_size, the overlong penalty in the reward, rollout correction (TIS) on the
@@ -249,22 +200,22 @@ def test_dapo_preset_trains_on_informative_groups_of_several_rounds_on_a_joined_
     data = sft_model_dir.parents[1] / "data" / "synthetic"
     common = (f"actor_rollout_ref.model.path={sft_model_dir}", f"synthetic.out_dir={data}",
               f"trainer.output_dir={out}", "trainer.logger=[console,jsonl]")
-    env = {**_env(), **multi_node_env(True)}
+    env = {**run_env(), **multi_node_env(True)}
     with ray_head(num_cpus=2, worker_cpus=(2,)) as address:
-        too_big = subprocess.run(_cmd(*common, f"ray_init.address={address}", "trainer.n_gpus_per_node=2",
+        too_big = subprocess.run(trainer_cmd(*common, f"ray_init.address={address}", "trainer.n_gpus_per_node=2",
                                       "trainer.cpus_per_worker=2"),
                                  cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
         assert too_big.returncode == 2, too_big.stderr[-3000:]
         assert too_big.stderr.strip().splitlines()[-1].startswith(
             f"config error: the Ray cluster at ray_init.address={address} has 4 CPUs"), too_big.stderr[-3000:]
-        too_many_nodes = subprocess.run(_cmd(*common, f"ray_init.address={address}", "trainer.nnodes=4",
+        too_many_nodes = subprocess.run(trainer_cmd(*common, f"ray_init.address={address}", "trainer.nnodes=4",
                                              "trainer.n_gpus_per_node=1",
                                              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"),
                                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
         assert too_many_nodes.returncode == 2 and too_many_nodes.stderr.strip().splitlines()[-1].startswith(
             "config error: trainer.nnodes=4: the Ray cluster has 2 node(s)"), too_many_nodes.stderr[-3000:]
 
-        r = subprocess.run(_cmd("preset=dapo", *common, f"ray_init.address={address}", "trainer.nnodes=2",
+        r = subprocess.run(trainer_cmd("preset=dapo", *common, f"ray_init.address={address}", "trainer.nnodes=2",
                                 "trainer.n_gpus_per_node=1",
                                 "trainer.total_training_steps=1", "trainer.test_freq=-1",
                                 "trainer.val_before_train=false", "data.gen_batch_size=4",
@@ -283,7 +234,7 @@ def test_dapo_preset_trains_on_informative_groups_of_several_rounds_on_a_joined_
         assert ranks and ranks[1] != ranks[2], log[-3000:]  # trainer.nnodes=2: one rank per node
         host, port = address.split(":")
         socket.create_connection((host, int(port)), timeout=5).close()  # the run left the cluster running
-    steps = [m for m in _metrics(out) if m["step"] > 0]
+    steps = [m for m in read_metrics(out) if m["step"] > 0]
     assert [m["step"] for m in steps] == [1]
     for m in steps:
         rounds, kept, dropped = m["train/num_gen_batches"], m["train/num_groups_kept"], m["train/num_groups_dropped"]
@@ -311,22 +262,24 @@ def test_dapo_preset_trains_on_informative_groups_of_several_rounds_on_a_joined_
 @pytest.mark.slow
 def test_aepo_preset_with_sequence_level_rollout_correction_trains(sft_model_dir, tmp_path):
     """preset=aepo end to end: AEPO's damped branching, its entropy-balanced clip and advantage (which makes the
-    old-log-prob pass run for its entropies), tree-packed actor passes, and sequence-level TIS on vLLM's
-    recorded log-probs."""
+    old-log-prob pass run for its entropies), its entropy pre-monitoring (a probe per prompt sets the roots),
+    tree-packed actor passes, and sequence-level TIS on vLLM's recorded log-probs."""
     out = tmp_path / "aepo"
     data = sft_model_dir.parents[1] / "data" / "synthetic"
-    r = subprocess.run(_cmd("preset=aepo", f"actor_rollout_ref.model.path={sft_model_dir}", f"synthetic.out_dir={data}",
+    r = subprocess.run(trainer_cmd("preset=aepo", f"actor_rollout_ref.model.path={sft_model_dir}", f"synthetic.out_dir={data}",
                             f"trainer.output_dir={out}", "trainer.logger=[console,jsonl]",
                             "trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.val_before_train=false",
                             "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.calculate_log_probs=true",
-                            "algorithm.rollout_correction.rollout_is=sequence"),
-                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env=_env())
+                            "algorithm.rollout_correction.rollout_is=sequence",
+                            "actor_rollout_ref.rollout.arpo.aepo_pre_monitoring=true"),
+                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env=run_env())
     assert r.returncode == 0, r.stderr[-4000:]
-    (m,) = [m for m in _metrics(out) if m["step"] > 0]
+    (m,) = [m for m in read_metrics(out) if m["step"] > 0]
     assert "timing_s/old_log_prob" in m and m["actor/entropy"] > 0  # the pass AEPO's advantage needs
     assert abs(m["rollout_corr/kl"]) < 1e-3 and 0.9 < m["rollout_corr/rollout_is_mean"] <= 1.0 + 1e-3
     assert 0 < m["perf/packed_token_ratio"] < 1 and m["rollout/branches"] >= 0
     assert math.isfinite(m["actor/pg_loss"]) and m["rollout/trajectories"] == 4 * 4
+    assert m["rollout/tokens/monitor"] > 0 and 1 <= m["rollout/aepo/initial_rollouts_mean"] <= 4
 
 
 @pytest.mark.slow
@@ -338,13 +291,13 @@ def test_preset_trains_from_config_alone(preset, sft_model_dir, tmp_path):
     grows initial_rollouts trees to M trajectories per prompt and adds intra-tree to inter-tree GRPO."""
     out = tmp_path / preset
     data = sft_model_dir.parents[1] / "data" / "synthetic"
-    r = subprocess.run(_cmd(f"preset={preset}", f"actor_rollout_ref.model.path={sft_model_dir}",
+    r = subprocess.run(trainer_cmd(f"preset={preset}", f"actor_rollout_ref.model.path={sft_model_dir}",
                             f"synthetic.out_dir={data}", f"trainer.output_dir={out}", "trainer.logger=[console,jsonl]",
                             "trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.val_before_train=false",
                             "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.name=hf"),
-                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env=_env())
+                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env=run_env())
     assert r.returncode == 0, r.stderr[-4000:]
-    (m,) = [m for m in _metrics(out) if m["step"] > 0]
+    (m,) = [m for m in read_metrics(out) if m["step"] > 0]
     assert m["rollout/trajectories"] == 4 * 4 and math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0
     assert "rollout/weight_sync_probe" in m
     config = (out / "config.yaml").read_text()

@@ -306,7 +306,7 @@ class RolloutCall:
                 if call is not None:
                     pending.append((b, call))
             await self._run_tools(pending)
-            tree.fill(range(self.n_groups))
+            tree.top_up(range(self.n_groups))
             active = [b for b in tree.branches if b.phase is not Phase.DONE]
         self.m.count["rounds"] = rounds
 
@@ -342,7 +342,7 @@ class RolloutCall:
                 if tree.needs_group_h0(b):
                     await self.h0_settled[b.group].wait()
                 await self._run_tools([(b, call)])
-            tree.fill([b.group])
+            tree.top_up([b.group])
             self._start_tasks(b.group)
 
     def _start_tasks(self, group: int) -> None:

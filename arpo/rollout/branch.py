@@ -29,7 +29,7 @@ class Branch:
     tid: int
     group: int
     local: int
-    kind: str  # initial | branch | fill | duplicate
+    kind: str  # initial | branch | fill | duplicate | monitor (AEPO's pre-monitoring probe: never a row)
     #: identity within the group that does not depend on creation order (seeds derive from it):
     #: ("initial", i), ("fill", i), or the parent's key + (decision depth, j) for its j-th fork at the decision
     #: after its depth-th tool call (a duplicate: depth ``tool_call_limit + 1``).
@@ -73,3 +73,13 @@ class Branch:
         self.response_mask.extend([1 if model else 0] * len(ids))
         self.token_entropy.extend(entropy if entropy is not None else [math.nan] * len(ids))
         self.rollout_log_probs.extend(log_probs if log_probs is not None else [0.0] * len(ids))
+
+    @property
+    def in_batch(self) -> bool:
+        """A row of the batch: neither a dropped speculative fill nor AEPO's pre-monitoring probe."""
+        return not self.discarded and self.kind != "monitor"
+
+    @property
+    def forks(self) -> bool:
+        """It may fork after its tool results (fills and the probe never do)."""
+        return self.kind not in ("fill", "monitor")

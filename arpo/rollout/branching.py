@@ -46,8 +46,8 @@ Policies (``policy``):
   ``1 − p + w·ΔH``, ARPO's ``p + w·ΔH`` at the default p = 0.5) or ``(α + β·ΔH)·f > τ`` (rule ``paper``). The
   released code keeps ``c`` per prompt group and counts rounds in which the group gained a trajectory, which
   depends on completion order; here it follows the path (the paper's wording), from draws only, so the batch
-  is the same under every schedule. AEPO's entropy pre-monitoring (splitting M between roots and branches
-  from a probe rollout) is off in both released scripts and not implemented: ``initial_rollouts`` sets N.
+  is the same under every schedule. AEPO's entropy pre-monitoring (``aepo_pre_monitoring``, off in both
+  released scripts) splits M between roots and branches per prompt: see :func:`aepo_initial_rollouts`.
 """
 
 from __future__ import annotations
@@ -201,6 +201,20 @@ def _branches(cfg: BranchingConfig, delta_h: float, u: float, damping: float = 1
 def aepo_damping(cfg: BranchingConfig, streak: int) -> float:
     """AEPO's factor after ``streak`` consecutive forks on the path (1 for ARPO)."""
     return max(0.0, 1.0 - cfg.aepo_penalty * streak) if cfg.policy == "aepo" else 1.0
+
+
+def aepo_initial_rollouts(budget: int, h_root: float, h_tool: float, beta: float) -> int:
+    """AEPO's entropy pre-monitoring (arXiv 2510.14545, Sec. 3.1: m = k·σ(β·(H_root − H̄_tool))): the number
+    of global samples (roots) out of the budget ``budget``; the rest is left to branching. A question more
+    uncertain than the tool results it leads to gets more roots; one whose tool results raise uncertainty
+    keeps more budget for forks. Rounded as the released code does (``int(k·σ) + 1``, clamped to [1, k];
+    its β is 0.5). The entropies are window entropies normalised by log|V|, measured by one discarded probe
+    trajectory per prompt (:mod:`arpo.rollout.tree`). The released code (``_calculate_initial_rollouts_
+    dynamical``) samples H_root from a second, 50-token probe and averages H_tool over every segment of its
+    probe, the first included; here one probe gives both and H̄_tool covers the windows after tool results
+    only, as the paper defines it (the same expectation for H_root, one probe's cost)."""
+    sigma = 1.0 / (1.0 + math.exp(-beta * (h_root - h_tool)))
+    return max(1, min(budget, int(budget * sigma) + 1))
 
 
 def should_branch(cfg: BranchingConfig, delta_h: float, rng: random.Random, streak: int = 0) -> bool:

@@ -23,6 +23,8 @@ class ARPORolloutConfig:
     mode: str = "arpo"
     policy: str = "arpo"
     aepo_penalty: float = 0.05
+    aepo_pre_monitoring: bool = False
+    aepo_beta: float = 0.5
     tree_expansions: int = 2
     schedule: str = "async"
     branch_grant: str = "ordered"
@@ -102,6 +104,10 @@ class ARPORolloutConfig:
         need(self.mode == "single" or self.policy != "tree_grpo" or self.n % self.initial_rollouts == 0,
              f"{p}.n ({self.n}) is not a multiple of {p}.initial_rollouts ({self.initial_rollouts}): policy "
              f"tree_grpo grows initial_rollouts trees of n / initial_rollouts trajectories each")
+        need(isinstance(self.aepo_pre_monitoring, bool) and (not self.aepo_pre_monitoring or self.policy == "aepo"),
+             f"{p}.aepo_pre_monitoring={self.aepo_pre_monitoring!r}: true only with {p}.policy=aepo (else false)")
+        need(isinstance(self.aepo_beta, (int, float)) and 0 < self.aepo_beta < float("inf"),
+             f"{p}.aepo_beta={self.aepo_beta!r}: must be a number > 0 (AEPO's released code: 0.5)")
         need(isinstance(self.speculative_fill, int) and self.speculative_fill >= 0,
              f"{p}.speculative_fill={self.speculative_fill!r}: must be an integer >= 0 (0: off)")
         need(self.speculative_fill == 0 or self.fill == "fresh",
@@ -148,5 +154,6 @@ class ARPORolloutConfig:
         return self.mode == "arpo" and self.beam_size > 1 and self.policy != "tree_grpo"
 
     @property
-    def tree_search(self) -> bool:
-        return self.mode == "arpo" and self.policy == "tree_grpo"
+    def pre_monitoring(self) -> bool:
+        """AEPO's entropy pre-monitoring sets each group's number of roots from a probe trajectory."""
+        return self.mode == "arpo" and self.policy == "aepo" and self.aepo_pre_monitoring

@@ -46,8 +46,9 @@ class RolloutMetrics:
 
 def summarize(m: RolloutMetrics, branches: list[Branch], slots: list[GroupSlots], schedule: str) -> dict[str, float]:
     """verl-style flat metrics of one rollout call: engine work (requests, tokens generated, time) includes
-    dropped speculative fills; what describes the batch (tool calls, entropies, finishes) does not."""
-    kept = [t for t in branches if not t.discarded]
+    dropped speculative fills and AEPO's probes; what describes the batch (tool calls, entropies, finishes) does
+    not."""
+    kept = [t for t in branches if t.in_batch]
     c = m.count + sum((t.tally for t in kept), Counter())
     values: dict[str, list[float]] = defaultdict(list, {k: list(v) for k, v in m.values.items()})
     for t in kept:
@@ -90,6 +91,10 @@ def summarize(m: RolloutMetrics, branches: list[Branch], slots: list[GroupSlots]
     for k, v in c.items():
         if k.startswith("tool_calls/") or k.startswith("finish/"):
             out[f"rollout/{k}"] = float(v)
+    if values["aepo_initial_rollouts"]:  # AEPO's pre-monitoring: its probes' entropies, N and cost
+        out.update({"rollout/aepo/initial_rollouts_mean": mean("aepo_initial_rollouts"),
+                    "rollout/aepo/h_root_mean": mean("aepo_h_root"), "rollout/aepo/h_tool_mean": mean("aepo_h_tool"),
+                    "rollout/tokens/monitor": float(c["tokens_monitor"])})
     if schedule == "rounds":
         out["rollout/rounds"] = float(c["rounds"])
     if c["prompt_tokens"]:

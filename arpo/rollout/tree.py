@@ -3,8 +3,9 @@
 roots (N per prompt) → first entropy window (H_initial) → after each tool result: measure ΔH, decide, fork or
 not within the group's budget M → fill groups left short → finish → the tree, in a fixed row order. No I/O
 happens here: the driver (:mod:`arpo.rollout.arpo_rollout`) sends each branch's requests
-(:mod:`arpo.rollout.segments`) and runs its tool calls, and feeds the results to these transitions. Who gets
-a group's slots, and when, is :mod:`arpo.rollout.branch_slots`; the decision rule, :mod:`arpo.rollout.branching`.
+(:mod:`arpo.rollout.segments`) and runs its tool calls, and feeds the results to these transitions. How a
+group starts and is topped up is its policy's (:mod:`arpo.rollout.policies`: sampling, ARPO, AEPO, Tree-GRPO);
+who gets its slots, and when, :mod:`arpo.rollout.branch_slots`; the decision rule, :mod:`arpo.rollout.branching`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import random
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -21,8 +21,9 @@ from arpo.engine.base import GenerationOutput, sampled_log_probs
 from arpo.protocol import TOOL_TAGS, ToolCall, format_tool_result, parse_trailing_tool_call
 from arpo.rollout.branch import Branch, Phase
 from arpo.rollout.branch_slots import CallRates, ForkLookahead, GroupSlots, canonical
-from arpo.rollout.branching import GroupBudget, aepo_damping, derive_seed, should_branch, token_entropy
+from arpo.rollout.branching import GroupBudget, aepo_damping, should_branch, token_entropy
 from arpo.rollout.config import ARPORolloutConfig
+from arpo.rollout.policies import make_policy
 from arpo.rollout.rollout_metrics import RolloutMetrics
 
 logger = logging.getLogger(__name__)
@@ -59,42 +60,39 @@ class RolloutTree:
         #: ``initial_entropy_scope: group``: each group's mean initial entropy, once every initial root has one
         self.group_h0: list[float | None] = [None] * len(prompts)
         self.h0_settled = [False] * len(prompts)
+        self.policy = make_policy(cfg)
         self.progress = None
 
     # ---- roots and forks ----------------------------------------------------------------------------
     def start(self) -> None:
-        """The initial roots (N per group, M for plain sampling) and the speculative fills."""
+        """Each group's first trajectories, as its policy starts them (:mod:`arpo.rollout.policies`)."""
         for g in range(len(self.prompts)):
-            for _ in range(self.budgets[g].reserve(self.cfg.num_initial)):
-                self._new_root(g, "initial")
-            if self.cfg.mode == "arpo" and self.cfg.fill == "fresh" and not self.cfg.tree_search:
-                for _ in range(min(self.cfg.speculative_fill, self.budgets[g].remaining)):
-                    self._new_root(g, "fill").speculative = True
-        self.fill(range(len(self.prompts)))
+            self.policy.start(self, g)
+        self.top_up(range(len(self.prompts)))
 
-    def _new(self, group: int, kind: str, key: tuple, **state: Any) -> Branch:
+    def new(self, group: int, kind: str, key: tuple, **state: Any) -> Branch:
         b = Branch(tid=len(self.branches), group=group, local=len(self.by_group[group]), kind=kind, key=key,
                    prompt_ids=self.prompts[group], **state)
         self.branches.append(b)
         self.by_group[group].append(b)
         return b
 
-    def _new_root(self, group: int, kind: str, tree_root: Branch | None = None) -> Branch:
+    def new_root(self, group: int, kind: str, tree_root: Branch | None = None) -> Branch:
         """A root from the prompt: a new tree, or (Tree-GRPO picking the root of ``tree_root``'s tree) one
         more chain in that tree, keyed under its first root so that the key does not depend on which tree
         expanded first."""
         if tree_root is None:
-            tree = len({x.tree for x in self.by_group[group]})
+            tree = len({x.tree for x in self.by_group[group] if x.kind != "monitor"})
             key = (kind, sum(1 for x in self.by_group[group] if x.kind == kind))
         else:
             tree = tree_root.tree
             key = GroupSlots.fork_key(tree_root.key, 0, (x.key for x in self.by_group[group]))
-        b = self._new(group, kind, key, tree=tree)
+        b = self.new(group, kind, key, tree=tree)
         if self.bcfg.initial_entropy_scope == "group":
             b.h_initial = self.group_h0[group]
         return b
 
-    def _fork(self, parent: Branch, pos: int, depth: int, kind: str = "branch",
+    def fork(self, parent: Branch, pos: int, depth: int, kind: str = "branch",
               records: list[dict[str, Any]] | None = None) -> Branch:
         """A copy of ``parent``'s first ``pos`` response tokens (the parent may have moved on since: its tokens
         are append-only) with ``records``, its tool-call records as they were when the fork was decided at
@@ -103,7 +101,7 @@ class RolloutTree:
         if records is None:
             records = [c for c in parent.tool_calls if c["end"] <= pos]
         key = GroupSlots.fork_key(parent.key, depth, (x.key for x in self.by_group[parent.group]))
-        return self._new(
+        return self.new(
             parent.group, kind, key,
             response_ids=parent.response_ids[:pos], response_mask=parent.response_mask[:pos],
             token_entropy=parent.token_entropy[:pos], rollout_log_probs=parent.rollout_log_probs[:pos],
@@ -126,7 +124,7 @@ class RolloutTree:
                 b.response_ids[b.seg_start:], ids, lps, finish, stop_reason)
         lps = lps[: len(ids)]
         first_piece = len(b.response_ids) == b.seg_start
-        root_start = not b.response_ids and b.kind in ("initial", "fill")
+        root_start = not b.response_ids and b.kind in ("initial", "fill", "monitor")
         b.started = True
         # per-token entropy is an output only with return_entropy; decisions use the window's logprobs
         scored = lps if self.cfg.return_entropy else []
@@ -135,6 +133,8 @@ class RolloutTree:
         b.append(ids, model=True, entropy=entropy, log_probs=log_probs)
         b.seg_logprobs.extend(lps[: max(0, self.bcfg.window - len(b.seg_logprobs))])
         self.m.count["tokens_generated"] += len(ids)
+        if b.kind == "monitor":
+            self.m.count["tokens_monitor"] += len(ids)
         if first_piece and lps:
             h = self.lookahead.window_entropy(lps)
             if root_start:
@@ -172,7 +172,7 @@ class RolloutTree:
 
     def needs_group_h0(self, b: Branch) -> bool:
         """The decision after ``b``'s next tool call compares against its group's initial entropy, not known yet."""
-        return (b.h_initial is None and b.kind != "fill" and self.cfg.branching_enabled
+        return (b.h_initial is None and b.forks and self.cfg.branching_enabled
                 and self.bcfg.initial_entropy_scope == "group" and not self.h0_settled[b.group])
 
     def classify(self, b: Branch, out: GenerationOutput, finish: str,
@@ -255,7 +255,7 @@ class RolloutTree:
         b.seg_after_tool = True
         # Decide (and, timing paper, probe) even when the budget is spent: the draws and records then do not
         # depend on which trajectory spent it first.
-        if not cfg.branching_enabled or b.kind == "fill":
+        if not cfg.branching_enabled or not b.forks:
             return
         if self.bcfg.timing == "code":
             if h_before is not None and b.h_initial is not None:
@@ -294,14 +294,14 @@ class RolloutTree:
 
         def grant(granted: int) -> None:
             for _ in range(granted):
-                self._fork(b, pos, depth, records=records).streak = streak
+                self.fork(b, pos, depth, records=records).streak = streak
             self.m.count["branches"] += granted
 
         self.slots[b.group].offer(b, depth, wants, grant)
 
     def first_decision_depth(self, b: Branch) -> int | None:
         """Tool-call depth of the next decision ``b`` can still take (None: none)."""
-        if b.kind == "fill" or b.speculative or b.phase is Phase.DONE or not self.cfg.branching_enabled:
+        if not b.forks or b.speculative or b.phase is Phase.DONE or not self.cfg.branching_enabled:
             return None
         if b.phase is Phase.PROBE:  # timing paper: the decision at the current result is still to come
             return b.n_calls
@@ -310,98 +310,27 @@ class RolloutTree:
     # ---- finishing and filling ----------------------------------------------------------------------
     def _finish(self, b: Branch, reason: str) -> None:
         b.phase, b.finish_reason = Phase.DONE, reason
-        if not b.speculative:  # a speculative fill is counted when it is confirmed
-            self._count_finished(b)
+        if b.in_batch and not b.speculative:  # a speculative fill is counted when it is confirmed
+            self.count_finished(b)
 
-    def _count_finished(self, b: Branch) -> None:
+    def count_finished(self, b: Branch) -> None:
         self.m.count[f"finish/{b.finish_reason}"] += 1
         if self.progress is not None:
             self.progress.update(1)
 
-    def fill(self, groups: Iterable[int]) -> None:
-        """Give groups their missing trajectories. ``fresh``: fills start as soon as the budget left exceeds
-        what branching could still take (so they need not wait for the group to finish; fill roots never
-        branch, so every branching decision sees the same budget as with filling at the end). ``released``
-        (the released code's loop): a group with nothing left running gets one more root, which may branch,
-        until it has M. ``duplicate``: copies of the group's last trajectory once it has finished."""
+    def top_up(self, groups: Iterable[int]) -> None:
+        """After a trajectory of each group moved: grant the branching decisions whose turn has come (they hold
+        their slots before anything is spare), then let the policy start what the group needs next."""
         for g in groups:
-            self.slots[g].resolve()  # decisions whose turn has come hold their slots before anything is spare
-            group = self.by_group[g]
-            budget = self.budgets[g]
-            if budget.remaining == 0 and not any(b.speculative for b in group):
-                continue
-            idle = not any(b.phase is not Phase.DONE and not b.speculative for b in group) and not self.slots[g].pending
-            if self.cfg.tree_search:
-                self._expand_trees(g)
-            elif self.cfg.fill == "fresh":
-                self._fill_fresh(g)
-            elif self.cfg.fill == "released":
-                if idle:  # one late root at a time, which branches like the first ones
-                    budget.reserve(1)
-                    self._new_root(g, "initial")
-            elif idle:
-                granted = budget.reserve(budget.remaining)
-                last = max((b for b in group if not b.discarded), key=lambda b: canonical(b.key))
-                for _ in range(granted):
-                    dup = self._fork(last, len(last.response_ids), self.cfg.tool_call_limit + 1, kind="duplicate")
-                    dup.phase, dup.finish_reason = Phase.DONE, last.finish_reason
-                    if self.progress is not None:
-                        self.progress.update(1)
-                self.m.count["fill_duplicate"] += granted
-
-    def _fill_fresh(self, g: int) -> None:
-        spec = [b for b in self.by_group[g] if b.speculative]
-        plan = self.slots[g].plan_fills(len(spec), self.cfg.speculative_fill_probability, self.call_rates.reach(g),
-                                        lambda b: b.phase in (Phase.TOOL, Phase.PROBE))
-        for b in spec[: plan.confirm]:
-            b.speculative = False
-            if b.phase is Phase.DONE:
-                self._count_finished(b)
-        for _ in range(plan.start):
-            self._new_root(g, "fill")
-        self.m.count["fill_fresh"] += plan.confirm + plan.start
-        for b in spec[len(spec) - plan.drop:]:
-            b.speculative, b.discarded, b.phase = False, True, Phase.DONE
-            self.m.count["fill_discarded"] += 1
-            self.m.count["tokens_discarded"] += sum(b.response_mask)
-        for _ in range(plan.predict):
-            self._new_root(g, "fill").speculative = True
-        self.m.count["fill_predicted"] += plan.predict
-
-    def _expand_trees(self, g: int) -> None:
-        """Tree-GRPO (arXiv 2509.21240; released code AMAP-ML/Tree-GRPO, ``tree_node.get_expand_node``): once
-        every chain of a tree has finished, pick ``tree_expansions`` nodes of it uniformly with replacement
-        from {its root} ∪ {the end of every tool result some chain continued after}, and continue each: a
-        picked root is one more chain from the prompt, a picked node a fork that copies the chain up to there.
-        Iterations go on until the tree holds n / initial_rollouts chains. Picks draw from a generator seeded
-        by the tree and its size, so they do not depend on completion order."""
-        quota = self.cfg.n // self.cfg.num_initial
-        members = [b for b in self.by_group[g] if not b.discarded]
-        for tree in sorted({b.tree for b in members}):
-            chains = sorted((b for b in members if b.tree == tree), key=lambda b: canonical(b.key))
-            if len(chains) >= quota or any(b.phase is not Phase.DONE for b in chains):
-                continue
-            nodes: list[tuple[Branch, int] | None] = [None]  # None: the root
-            for b in chains:
-                nodes += [(b, d + 1) for d, c in enumerate(b.tool_calls)
-                          if c["end"] > b.branch_pos and c["end"] < len(b.response_ids)]
-            rng = random.Random(derive_seed(self.seed, self.group_ids[g], "tree", tree, len(chains)))
-            picks = rng.choices(nodes, k=min(self.cfg.tree_expansions, quota - len(chains)))
-            self.budgets[g].reserve(len(picks))
-            for pick in picks:
-                if pick is None:
-                    self._new_root(g, "initial", tree_root=chains[0])
-                else:
-                    parent, depth = pick
-                    self._fork(parent, parent.tool_calls[depth - 1]["end"], depth)
-                    self.m.count["branches"] += 1
+            self.slots[g].resolve()
+            self.policy.top_up(self, g)
 
     # ---- output -------------------------------------------------------------------------------------
     def trajectories(self) -> list[Trajectory]:
         """The kept branches as trajectories, in tree order by identity (initial roots, then fills, each
         followed by its forks), which does not depend on the order they were created in; a parent always
         precedes its children."""
-        ordered = sorted((b for b in self.branches if not b.discarded), key=lambda b: (b.group,) + canonical(b.key))
+        ordered = sorted((b for b in self.branches if b.in_batch), key=lambda b: (b.group,) + canonical(b.key))
         assert all(not b.speculative for b in ordered), "a speculative fill was neither confirmed nor dropped"
         index = {b.tid: i for i, b in enumerate(ordered)}
         return [Trajectory(

@@ -83,6 +83,8 @@ CASES = {
     "duplicate fills": {"fill": "duplicate", "speculative_fill_probability": None},
     "plain sampling": {"mode": "single"},
     "aepo, released fill": {"policy": "aepo", "aepo_penalty": 0.5, "fill": "released"},
+    "aepo, pre-monitoring, group entropy": {"policy": "aepo", "aepo_pre_monitoring": True, "aepo_beta": 5.0,
+                                            "initial_entropy_scope": "group", "speculative_fill": 1},
     "tree_grpo": {"policy": "tree_grpo", "initial_rollouts": 2, "tree_expansions": 2},
 }
 

@@ -63,7 +63,9 @@ def check_invariants(batch: DataBatch, cfg: ARPORolloutConfig, tok, n_prompts: i
     for g in range(n_prompts):
         assert len({r["uid"] for r in rs if r["group"] == g}) == 1
         branches = sum(r["kind"] == "branch" for r in rs if r["group"] == g)
-        assert branches <= cfg.n - cfg.num_initial
+        # AEPO's pre-monitoring sets N per group (checked in its own test)
+        roots = sum(r["kind"] == "initial" for r in rs if r["group"] == g) if cfg.pre_monitoring else cfg.num_initial
+        assert branches <= cfg.n - roots
         if cfg.mode == "single" or cfg.beam_size == 1:
             assert branches == 0
     assert batch.meta["metrics"]["rollout/branches"] == sum(r["kind"] == "branch" for r in rs)
@@ -133,7 +135,8 @@ def check_invariants(batch: DataBatch, cfg: ARPORolloutConfig, tok, n_prompts: i
     # no generated token is thrown away (paper timing keeps its probe tokens as the continuation), except
     # those of dropped speculative fills
     m = batch.meta["metrics"]
-    assert m["rollout/tokens/generated"] == generated + m["rollout/tokens/discarded"]
+    assert m["rollout/tokens/generated"] == generated + m["rollout/tokens/discarded"] + m.get("rollout/tokens/monitor", 0)
+    assert ("rollout/tokens/monitor" in m) == cfg.pre_monitoring
     if cfg.speculative_fill == 0 and cfg.speculative_fill_probability is None:
         assert m["rollout/tokens/discarded"] == 0 and m["rollout/fill_discarded"] == 0
     if cfg.speculative_fill_probability is None:
@@ -171,6 +174,8 @@ def random_case(seed: int):
         cfg["speculative_fill_probability"] = r.choice([None, None, 0.05, 0.5, 0.95])
     if r.random() < 0.3:  # drawn after everything else, for the same reason
         cfg.update(policy="aepo", aepo_penalty=r.choice([0.05, 0.5, 1.0]))
+        if r.random() < 0.5:
+            cfg.update(aepo_pre_monitoring=True, aepo_beta=r.choice([0.5, 5.0]))
     return case
 
 
@@ -179,8 +184,8 @@ def test_invariants_over_random_configs(seed):
     cfg, policy, tools, split_tags, n_prompts = random_case(seed)
     batch, engine, gen = rollout(cfg, policy, n_prompts=n_prompts, seed=seed, tools=tools, split_tags=split_tags)
     check_invariants(batch, gen.config, engine.tokenizer, n_prompts)
-    # all initial trajectories went to the engine at once
-    assert engine.max_in_flight >= n_prompts * gen.config.num_initial
+    # all initial trajectories went to the engine at once (AEPO's pre-monitoring: each group's after its probe)
+    assert engine.max_in_flight >= (n_prompts if gen.config.pre_monitoring else n_prompts * gen.config.num_initial)
     if not split_tags:
         # the close tags are single tokens: every request stops on their ids, without detokenisation
         tag_ids = {engine.tokenizer.encode(c)[0] for c in CLOSE_TAGS}
@@ -518,6 +523,36 @@ def test_aepo_damps_forks_at_consecutive_depths_of_a_path(policy):
     assert depths == ({1, 3} if policy == "aepo" else {1, 2, 3})
     damped = batch.meta["metrics"]["rollout/branch_points_damped"]
     assert (damped > 0) == (policy == "aepo")
+
+
+@pytest.mark.parametrize("call_prob, beta", [(0.0, 0.5), (1.0, 50.0), (1.0, 0.5)])
+def test_aepo_pre_monitoring_sets_each_groups_roots_from_its_probe(call_prob, beta):
+    # The probe runs first and alone, is no row; N = clamp(int(M·σ(β·(H_root − H̄_tool))) + 1, 1, M). Without
+    # tool calls H̄_tool = H_root: N = M/2 + 1. The scripted policy's tokens after a tool result are flat (high
+    # entropy), so a steep β leaves one root and the rest of the budget to branching.
+    cfg = dict(n=8, initial_rollouts=4, policy="aepo", aepo_pre_monitoring=True, aepo_beta=beta,
+               max_response_length=400, tool_call_limit=3, return_entropy=True)
+    policy = ScriptPolicy(call_prob=call_prob, call_decay=0.0)
+    batch, engine, gen = rollout(cfg, policy, n_prompts=1, seed=5)
+    check_invariants(batch, gen.config, engine.tokenizer, 1)
+    m, rs = batch.meta["metrics"], rows(batch)
+    roots = sum(r["kind"] == "initial" for r in rs)
+    h_root, h_tool = m["rollout/aepo/h_root_mean"], m["rollout/aepo/h_tool_mean"]
+    assert roots == m["rollout/aepo/initial_rollouts_mean"] == \
+        max(1, min(8, int(8 / (1 + math.exp(-beta * (h_root - h_tool)))) + 1))
+    if call_prob == 0.0:
+        assert h_tool == h_root and roots == 5
+    else:
+        assert h_tool > h_root and (roots == 1 if beta == 50.0 else roots < 5)
+    # the probe (t0) is the group's first request and finishes before any root starts
+    probe = [i for i, q in enumerate(engine.requests) if "-t0-" in q.request_id]
+    assert probe[0] == 0 and all(i == j for i, j in zip(probe, range(len(probe))))
+    assert m["rollout/tokens/monitor"] == sum(len(engine.requests[i].output_ids) for i in probe) > 0
+    # the same roots and draws as without the probe, only N differs: the first root's tokens are the same
+    plain, _, _ = rollout({**cfg, "aepo_pre_monitoring": False, "initial_rollouts": roots}, policy, n_prompts=1, seed=5)
+    assert rows(plain)[0]["ids"] == rs[0]["ids"]
+    with pytest.raises(ValueError, match="aepo_pre_monitoring=True: true only with"):
+        ARPORolloutConfig.from_dict({**cfg, "policy": "arpo"})
 
 
 def test_tree_grpo_grows_equal_trees_from_nodes_at_tool_results():

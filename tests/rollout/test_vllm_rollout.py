@@ -103,7 +103,7 @@ def test_successor_policies_on_vllm_with_real_tools(real_stack, policy):
     cfg = ARPORolloutConfig.from_dict({
         "n": 4, "initial_rollouts": 2, "max_response_length": 320, "tool_call_limit": 3, "entropy_window": 10,
         "branch_probability": 0.0 if policy == "aepo" else 0.5, "return_entropy": True, "seed": 3,
-        "policy": policy, "aepo_penalty": 0.5})
+        "policy": policy, "aepo_penalty": 0.5, "aepo_pre_monitoring": policy == "aepo"})
     gen = ARPORollout(engine, tok, cfg, tools)
     try:
         batch = loop.run_until_complete(gen.agenerate(prompts, seed=7))
@@ -119,3 +119,5 @@ def test_successor_policies_on_vllm_with_real_tools(real_stack, policy):
         assert m["rollout/branch_points"] == 0
     else:  # p 0: every decision asks for a fork (no damping brings clip(·) below 0) while the budget lasts
         assert m["rollout/branch_points"] > 0 and all(r["kind"] in ("initial", "branch", "fill") for r in rs)
+        # pre-monitoring: a probe per prompt, then N = int(4·σ(0.5·ΔH)) + 1 roots (2 or 3 for |ΔH| <= 1)
+        assert m["rollout/tokens/monitor"] > 0 and 2 <= m["rollout/aepo/initial_rollouts_mean"] <= 3
