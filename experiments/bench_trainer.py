@@ -262,25 +262,24 @@ def run_setting(model: Path, ranks: int, cpus_per_rank: float, micro: int, batch
     peaks: dict[str, list[float]] = {"load": load_peaks}
     phases = [p for p in PHASES if not (args.on_policy and p == "old_log_prob")]
     try:
-        with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as weights:
-            for step in range(args.warmup + args.steps):
-                train = batch
-                for phase in phases:
-                    t0 = time.perf_counter()
-                    if phase == "old_log_prob":
-                        train = batch.index(slice(0, len(batch)))
-                        train.tensors["old_log_probs"] = group.compute_log_prob(batch)["log_probs"]
-                    elif phase == "update_policy":
-                        group.update_policy(train)
-                    else:
-                        group.save_weights_for_engine(weights)
-                    elapsed = time.perf_counter() - t0
-                    step_peaks, cpu_after = _rank_stats(group)
-                    if step >= args.warmup:  # warm-up steps pay one-off allocation and autograd set-up
-                        seconds[phase].append(elapsed)
-                        cpu_seconds[phase].append(max(a - b for a, b in zip(cpu_after, cpu_before)))
-                    cpu_before = cpu_after
-                    peaks[phase] = [max(a, b) for a, b in zip(peaks.get(phase, step_peaks), step_peaks)]
+        for step in range(args.warmup + args.steps):
+            train = batch
+            for phase in phases:
+                t0 = time.perf_counter()
+                if phase == "old_log_prob":
+                    train = batch.index(slice(0, len(batch)))
+                    train.tensors["old_log_probs"] = group.compute_log_prob(batch)["log_probs"]
+                elif phase == "update_policy":
+                    group.update_policy(train)
+                else:
+                    group.engine_weights()  # rank 0 gathers the state dict into Ray's object store
+                elapsed = time.perf_counter() - t0
+                step_peaks, cpu_after = _rank_stats(group)
+                if step >= args.warmup:  # warm-up steps pay one-off allocation and autograd set-up
+                    seconds[phase].append(elapsed)
+                    cpu_seconds[phase].append(max(a - b for a, b in zip(cpu_after, cpu_before)))
+                cpu_before = cpu_after
+                peaks[phase] = [max(a, b) for a, b in zip(peaks.get(phase, step_peaks), step_peaks)]
         params = group.full_parameters() if args.settings == "all" else {}
     finally:
         group.shutdown()

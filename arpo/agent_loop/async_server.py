@@ -63,8 +63,8 @@ class AsyncEngineServer:
                        request_id: str) -> GenerationOutput:
         return await self.engine.generate(prompt_ids, sampling_params, request_id)
 
-    async def update_weights(self, weights_dir: str) -> None:
-        await self.engine.update_weights(weights_dir)
+    async def update_weights(self, weights: Any) -> None:
+        await self.engine.update_weights(weights)
 
     async def reset_prefix_cache(self) -> None:
         await self.engine.reset_prefix_cache()

@@ -109,8 +109,8 @@ class ServerManager:
         """Run ``method`` on every server concurrently (weight sync, cache reset, sleep/wake)."""
         return list(await asyncio.gather(*(call_server(s, method, *args, **kwargs) for s in self.servers)))
 
-    async def update_weights(self, weights_dir: str) -> None:
-        await self.call_all("update_weights", weights_dir)
+    async def update_weights(self, weights: Any) -> None:
+        await self.call_all("update_weights", weights)
         self._sessions.clear()  # the prefix caches are gone, so stickiness buys nothing until rebuilt
 
     async def reset_prefix_cache(self) -> None:

@@ -7,7 +7,10 @@ ever re-tokenised between turns (re-tokenising a history changes tokens and brea
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from arpo.engine.weights import EngineWeights
 
 
 @dataclass(frozen=True)
@@ -72,8 +75,9 @@ class GenerationEngine(Protocol):
         self, prompt_ids: list[int], sampling_params: SamplingParams, request_id: str
     ) -> GenerationOutput: ...
 
-    async def update_weights(self, weights_dir: str) -> None:
-        """Load a safetensors directory as the new weights and reset the prefix cache."""
+    async def update_weights(self, weights: "EngineWeights") -> None:
+        """Take ``weights`` (a state dict in HF names, or a safetensors directory) as the new weights and reset
+        the prefix cache."""
 
     async def reset_prefix_cache(self) -> None: ...
 

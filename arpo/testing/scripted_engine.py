@@ -180,8 +180,8 @@ class ScriptedEngine:
         self.tokenizer = tokenizer if tokenizer is not None else ToyTokenizer()
         self.policy = policy or ScriptPolicy()
         self.replies = replies
-        #: the last directory update_weights was given
-        self.weights_dir: str | None = None
+        #: the last weights update_weights was given (a state dict or a directory)
+        self.weights: Any = None
         self.latency_s = latency_s
         #: extra delay per generated token: concurrent requests overlap, so a batch of requests costs about
         #: its longest one, as with continuous batching on an engine that is not compute-bound.
@@ -222,9 +222,9 @@ class ScriptedEngine:
             list(out.token_ids), cached, out.finish_reason
         return out
 
-    async def update_weights(self, weights_dir: str) -> None:
+    async def update_weights(self, weights: Any) -> None:
         # New weights change the policy; stale cache entries would be wrong, as with vLLM.
-        self.weights_dir = weights_dir
+        self.weights = weights
         self.weight_version += 1
         await self.reset_prefix_cache()
 

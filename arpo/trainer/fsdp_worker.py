@@ -16,13 +16,13 @@ import logging
 import math
 import os
 import socket
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from arpo.batch import DataBatch
+from arpo.engine.weights import for_transport
 from arpo.trainer.actor_config import cfg_get, rollout_temperature
 from arpo.trainer.actor_update import METRIC_KEYS, full_tensor, micro_batch_order, ppo_update, split_rows
 from arpo.trainer.device import cpu_has_native_bf16, device_settings_from_config
@@ -35,7 +35,6 @@ logger = logging.getLogger(__name__)
 
 ROLES = ("actor", "ref")
 __all__ = ["ActorWorker", "METRIC_KEYS", "lr_lambda"]
-WEIGHTS_FILE = "model.safetensors"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -357,30 +356,14 @@ class ActorWorker:
             state.pop("lm_head.weight", None)
         return state
 
-    def save_weights_for_engine(self, out_dir: str, dtype: str | None = None) -> str | None:
-        """Write ``out_dir/model.safetensors`` (+ ``config.json``) for an engine's ``update_weights``.
-        Collective; rank 0 writes. ``dtype`` ("bfloat16", ...) converts floating tensors to move fewer bytes."""
-        try:
-            state = self.state_dict_for_engine()
-            return None if state is None else self._write_engine_weights(state, Path(out_dir), dtype)
-        finally:
-            state = None
+    def engine_weights(self) -> dict[str, Any] | None:
+        """The full state dict for the engines, on rank 0 (None elsewhere); as a Ray method's result it goes to
+        the object store, from where every engine replica, on any node, takes it. Collective."""
+        state = self.state_dict_for_engine()
+        if state is None:
             release_memory()  # the gathered full state dict is the size of the whole model
-
-    def _write_engine_weights(self, state: dict[str, torch.Tensor], out: Path, dtype: str | None) -> str:
-        from safetensors.torch import save_file
-
-        out.mkdir(parents=True, exist_ok=True)
-        target = getattr(torch, dtype) if dtype else None
-        tensors = {k: (v.to(target) if target is not None and v.is_floating_point() else v).contiguous()
-                   for k, v in state.items()}
-        for old in out.glob("*.safetensors"):
-            old.unlink()
-        tmp = out / (WEIGHTS_FILE + ".tmp")
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        tmp.replace(out / WEIGHTS_FILE)  # engines load every *.safetensors: never show a half-written one
-        self.model.config.save_pretrained(str(out))
-        return str(out)
+            return None
+        return for_transport(state)
 
     def export_hf(self, out_dir: str) -> str | None:
         """``save_pretrained`` of the full model plus a copy of the tokenizer, loadable by transformers and

@@ -10,8 +10,6 @@ workers idle, then the workers train while the engine idles.
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 import uuid
 from pathlib import Path
 from typing import Any, Iterable
@@ -73,7 +71,6 @@ class RayARPOTrainer:
         self.kl_ctrl = core_algos.get_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.filter_groups = filter_groups_config(cfg)
         self.free_cache_engine = bool(cfg.actor_rollout_ref.rollout.get("free_cache_engine", False))
-        self._weights_dir = Path(tempfile.mkdtemp(prefix="arpo-weights-", dir=_shm_or_tmp()))
 
     # ---- one step --------------------------------------------------------------------------------------
     def _prompt_batch(self, rows: list[dict[str, Any]]) -> DataBatch:
@@ -211,7 +208,9 @@ class RayARPOTrainer:
         return metrics
 
     def push_weights(self) -> dict[str, float]:
-        """Actor weights → safetensors dir → every replica reloads them (+ a prefix-cache reset in update_weights).
+        """Actor weights → every replica (+ a prefix-cache reset in update_weights): rank 0's full state dict stays
+        in Ray's object store, and each engine actor fetches it to its own node (an engine in this process gets
+        the tensors); nothing goes through a file the trainer writes, so replicas on other nodes get it too.
 
         Returns ``rollout/weight_sync_probe``: the first replica's mean log-prob of its top-5 next tokens on a fixed
         probe prompt after the reload — it moves with every update, so a flat curve means the engine is not
@@ -219,12 +218,16 @@ class RayARPOTrainer:
         difference of the others' probes from the first's (0 up to kernel rounding when all got the weights)."""
         from arpo.engine.base import SamplingParams
 
-        shutil.rmtree(self._weights_dir, ignore_errors=True)
-        self._weights_dir.mkdir(parents=True)
-        self.actor_wg.save_weights_for_engine(str(self._weights_dir))
+        import ray
+
+        from arpo.engine.ray_engine import RayEngineClient
+
+        ref = self.actor_wg.engine_weights()
+        local = None if all(isinstance(e, RayEngineClient) for e in self.engines) else ray.get(ref)
         if self.free_cache_engine:  # awake before the reload: sleep level 2 discarded the weights
             _run_all(e.wake_up() for e in self.engines)
-        _run_all(e.update_weights(str(self._weights_dir)) for e in self.engines)
+        _run_all(e.update_weights(ref if isinstance(e, RayEngineClient) else local) for e in self.engines)
+        del ref, local  # the object store frees the weights once no reference is left
         probe = list(self.train_data.dataset[0]["raw_prompt_ids"])
         params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
         outs = _run_all(e.generate(probe, params, f"weight-sync-probe-{self.global_step}-{r}")
@@ -319,7 +322,6 @@ class RayARPOTrainer:
         return int(t.total_epochs) * self.train_data.steps_per_epoch
 
     def close(self) -> None:
-        shutil.rmtree(self._weights_dir, ignore_errors=True)
         self.reward_manager.close()  # its worker processes would otherwise live until the interpreter's exit
 
 
@@ -372,10 +374,6 @@ def _column(values: list[Any]) -> np.ndarray:
     col = np.empty(len(values), dtype=object)
     col[:] = values
     return col
-
-
-def _shm_or_tmp() -> str:
-    return "/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()
 
 
 def _run_all(calls: Iterable[Any]) -> list[Any]:

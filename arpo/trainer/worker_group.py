@@ -255,8 +255,15 @@ class RayWorkerGroup:
             s.meta["mini_batch_rows_per_rank"] = per_rank
         return self.execute_split("update_critic", shares)[0]
 
-    def save_weights_for_engine(self, out_dir: str, dtype: str | None = None) -> str:
-        return self.execute_all("save_weights_for_engine", out_dir, dtype)[0]
+    def engine_weights(self) -> Any:
+        """Rank 0's full state dict for the engines, as a ``ray.ObjectRef`` left in the object store: an engine
+        actor given the reference fetches it to its own node (the driver never holds the model)."""
+        import ray
+
+        refs = [w.engine_weights.remote() for w in self.workers]
+        ray.get(refs[1:])  # the other ranks' part of the gather is done (they return None)
+        ray.wait(refs[:1], fetch_local=False)
+        return refs[0]
 
     def export_hf(self, out_dir: str) -> str:
         return self.execute_all("export_hf", out_dir)[0]

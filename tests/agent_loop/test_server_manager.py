@@ -106,5 +106,5 @@ def test_heap_stays_small_and_broadcast_reaches_every_server(tokenizer):
 
     asyncio.run(go())
     assert len(manager._heap) <= 4 * 3 + 64
-    assert [e.weights_dir for e in engines] == ["/tmp/w"] * 3 and all(e.asleep for e in engines)
+    assert [e.weights for e in engines] == ["/tmp/w"] * 3 and all(e.asleep for e in engines)
     assert manager.session_server("s5") is None  # new weights: the prefix caches are gone

@@ -6,12 +6,13 @@ import os
 from pathlib import Path
 
 import pytest
+import numpy as np
 import torch
 from omegaconf import OmegaConf
 
 from arpo.engine.config import EngineConfig
 from arpo.engine.vllm_env import DEFAULT_CPU_KVCACHE_SPACE_GB, configure_vllm_env
-from arpo.engine.weights import load_weights_from_dir, save_weights_for_engine
+from arpo.engine.weights import for_transport, load_weights_from_dir, save_weights_for_engine, state_dict_of
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -86,6 +87,36 @@ def test_save_weights_dedups_tied_tensors_and_replaces_old_files(tmp_path):
     assert torch.equal(loaded["model.embed_tokens.weight"], emb.weight.detach().to(torch.bfloat16))
     with pytest.raises(FileNotFoundError, match="save_weights_for_engine"):
         load_weights_from_dir(tmp_path / "nothing")
+
+
+def test_weights_dirs_of_dead_processes_are_removed_when_a_new_one_is_made(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    import arpo.engine.weights as weights
+
+    monkeypatch.setattr(weights.os.path, "isdir", lambda p: False)  # not /dev/shm: the temp dir, here tmp_path
+    monkeypatch.setattr(weights.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(weights.tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f"arpo_engine_weights_pid{int(dead.stdout)}_x1"
+    stale.mkdir()
+    mine = weights.default_weights_dir("arpo_engine_weights")
+    again = weights.default_weights_dir("arpo_engine_weights")
+    other_tag = tmp_path / f"bench_pid{int(dead.stdout)}_x2"
+    other_tag.mkdir()
+    assert not stale.exists() and mine.is_dir() and again.is_dir() and other_tag.is_dir()
+    assert mine.parent == tmp_path and mine.name.startswith(f"arpo_engine_weights_pid{os.getpid()}_")
+
+
+def test_state_dicts_transported_arrays_and_directories_are_all_engine_weights(tmp_path):
+    state = {"model.norm.weight": torch.ones(4), "model.embed_tokens.weight": torch.randn(3, 2).bfloat16()}
+    sent = for_transport(state)  # numpy arrays (Ray moves them out of band); bfloat16 as its exact float32
+    assert sent["model.embed_tokens.weight"].dtype == np.float32
+    for weights in (state, sent, save_weights_for_engine(state, tmp_path)):
+        got = state_dict_of(weights)
+        assert set(got) == set(state)
+        assert all(torch.equal(got[k].to(v.dtype), v) for k, v in state.items())
 
 
 def test_eager_logprob_rank_replaces_the_compiled_helper_with_the_same_function():
