@@ -41,6 +41,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     from arpo.engine.weights import default_weights_dir, for_transport, save_weights_for_engine
     from arpo.ray_utils import init_ray
 
+    own_ray = not ray.is_initialized()  # in a test, the module's Ray session is used and left running
     init_ray({"num_cpus": 2})
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -78,7 +79,8 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         engine.kill()
         shutil.rmtree(weights_dir, ignore_errors=True)
-        ray.shutdown()
+        if own_ray:
+            ray.shutdown()
     result: dict[str, Any] = {
         "engine": args.engine, "model": str(args.model), "repeats": args.repeats,
         "bytes": int(sum(v.numel() * v.element_size() for v in state.values())),
