@@ -103,11 +103,10 @@ def _scope(nodeid: str) -> str:
     return SAME_WORKER.get(module, module)
 
 
-#: the last phase's long modules (seconds on 2 busy cores, git 91bc400) start first, so the two workers finish
-#: together instead of one idling while the other runs a long module (at 91bc400 the resume run was still part of
-#: test_main_arpo.py, 770 s, and the other worker idled its last 265 s)
-LAST_PHASE_SECONDS = {"tests/test_main_arpo.py": 450.0, "tests/test_main_arpo_resume.py": 325.0,
-                      "tests/test_pipeline.py": 195.0, "tests/test_pretrained_model.py": 75.0}
+#: the last phase's long modules (seconds on 2 busy cores, git 28a18ec) start first, so the two workers finish
+#: together instead of one idling while the other runs a long module
+LAST_PHASE_SECONDS = {"tests/test_main_arpo.py": 360.0, "tests/test_main_arpo_resume.py": 355.0,
+                      "tests/test_pipeline.py": 150.0, "tests/test_pretrained_model.py": 125.0}
 
 
 @pytest.hookimpl(optionalhook=True)

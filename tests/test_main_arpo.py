@@ -1,8 +1,8 @@
-"""The trainer entry point: start-up validation (fast) and real end-to-end runs (slow: real vLLM in a Ray actor,
-real FSDP2 workers on gloo, real tools, real rewards): the DAPO preset on a Ray cluster started beforehand
-(``ray_init.address``), AEPO, and the presets without a run of their own. The SIGKILL-and-resume run is
-tests/test_main_arpo_resume.py (its own module, so the two test workers can share these minutes); soft and
-hard advantage train end to end in the ablation smoke (tests/test_ablation.py). All check their runs with
+"""The trainer entry point: start-up validation and the REINFORCE++ and Tree-GRPO presets on the trainer's
+rollout and advantage path (fast, in process), and real end-to-end runs (slow: real vLLM in a Ray actor, real
+FSDP2 workers on gloo, real tools, real rewards): the DAPO preset on a Ray cluster started beforehand
+(``ray_init.address``) and AEPO. The SIGKILL-and-resume run (PPO) is tests/test_main_arpo_resume.py; soft and
+hard advantage train end to end in the ablation smoke (tests/test_ablation.py); both check their runs with
 ``check_training_run``."""
 
 from __future__ import annotations
@@ -282,25 +282,31 @@ def test_aepo_preset_with_sequence_level_rollout_correction_trains(sft_model_dir
     assert m["rollout/tokens/monitor"] > 0 and 1 <= m["rollout/aepo/initial_rollouts_mean"] <= 4
 
 
-def test_reinforce_plus_plus_preset_gives_whitened_returns_on_the_trainers_path(tiny_model_dir, synthetic_dir):
-    """preset=reinforce_plus_plus from config alone, in process: it validates at start-up, its rollout config
-    builds the plain-sampling rollout, and the trainer's advantage step whitens the discounted returns over the
-    batch's model tokens. (Its run is grpo's run with another estimator, which is checked against verl in
-    tests/trainer; a process of its own cost the suite ~100 s.)"""
+@pytest.mark.parametrize("preset", ["reinforce_plus_plus", "tree_grpo"])
+def test_preset_from_config_alone_on_the_trainers_rollout_and_advantage_path(preset, tiny_model_dir, synthetic_dir):
+    """The presets without a training process of their own (grpo, arpo_soft and arpo_hard train in the ablation
+    smoke; dapo, aepo and ppo above), in process: ``preset=<name>`` alone validates at start-up, its rollout
+    config builds the rollout (scripted engine), and the trainer's advantage step gives the preset's estimator:
+    REINFORCE++ whitens the discounted returns over the batch's model tokens; Tree-GRPO grows initial_rollouts
+    trees per prompt and adds GRPO within each tree (the trainer passes the tree column). Their training step is
+    grpo's with another estimator (checked against verl in tests/trainer); processes of their own cost the suite
+    ~100 s each under load."""
+    import numpy as np
     import torch
 
     from arpo.config import load_config
     from arpo.main_arpo import validate_config
     from arpo.rollout.arpo_rollout import ARPORollout
     from arpo.testing.scripted_engine import ScriptedEngine
+    from arpo.trainer import core_algos
     from arpo.trainer.ray_trainer import compute_advantage
     from tests.rollout.fake_tools import FakePython, FakeSearch
 
     cfg = load_config("arpo_trainer", [f"actor_rollout_ref.model.path={tiny_model_dir}",
-                                       f"synthetic.out_dir={synthetic_dir}", "preset=reinforce_plus_plus"])
+                                       f"synthetic.out_dir={synthetic_dir}", f"preset={preset}"])
     validate_config(cfg)
     r = cfg.actor_rollout_ref.rollout
-    assert cfg.algorithm.adv_estimator == "reinforce_plus_plus" and r.mode == "single"
+    assert cfg.algorithm.adv_estimator == preset
     engine = ScriptedEngine()
     gen = ARPORollout(engine, engine.tokenizer, {**dict(r.arpo), "mode": r.mode, "max_response_length": 200},
                       tools=[FakeSearch(), FakePython()])
@@ -315,32 +321,16 @@ def test_reinforce_plus_plus_preset_gives_whitened_returns_on_the_trainers_path(
     batch.tensors["token_level_rewards"] = rewards
     adv = compute_advantage(batch, cfg).tensors["advantages"]
     on = mask.bool()
-    assert len(batch) == 4 * r.n and abs(float(adv[on].mean())) < 1e-5 and float(adv[on].std()) == pytest.approx(1, abs=0.05)
-    assert torch.equal(batch.tensors["returns"][~on], torch.zeros_like(batch.tensors["returns"][~on]))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("preset", ["tree_grpo"])
-def test_preset_trains_from_config_alone(preset, sft_model_dir, tmp_path):
-    """The presets without an end-to-end test of their own (grpo, arpo_soft and arpo_hard train in the ablation
-    smoke; dapo, aepo and ppo above; reinforce_plus_plus differs from grpo only in its estimator, checked in
-    process above): one step from ``preset=<name>`` alone, on the HF engine, which starts in seconds (every
-    other end-to-end run uses vLLM). Tree-GRPO grows initial_rollouts trees to M trajectories per prompt and
-    adds intra-tree to inter-tree GRPO."""
-    out = tmp_path / preset
-    data = sft_model_dir.parents[1] / "data" / "synthetic"
-    r = subprocess.run(trainer_cmd(f"preset={preset}", f"actor_rollout_ref.model.path={sft_model_dir}",
-                            f"synthetic.out_dir={data}", f"trainer.output_dir={out}", "trainer.logger=[console,jsonl]",
-                            "trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.val_before_train=false",
-                            "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.name=hf"),
-                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env=run_env())
-    assert r.returncode == 0, r.stderr[-4000:]
-    (m,) = [m for m in read_metrics(out) if m["step"] > 0]
-    assert m["rollout/trajectories"] == 4 * 4 and math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0
-    assert "rollout/weight_sync_probe" in m
-    config = (out / "config.yaml").read_text()
-    assert "adv_estimator: tree_grpo" in config and "policy: tree_grpo" in config
-    rows = [json.loads(line) for line in (out / "rollouts" / "step_1.jsonl").read_text().splitlines()]
-    assert len(rows) == 16 and all(row["tree_index"] is not None for row in rows)
-    trees = {g: {row["tree_index"] for row in rows if row["group"] == g} for g in {row["group"] for row in rows}}
-    assert all(len(t) == 2 for t in trees.values()), trees  # initial_rollouts trees per prompt
+    assert len(batch) == 4 * r.n
+    if preset == "reinforce_plus_plus":
+        assert r.mode == "single"
+        assert abs(float(adv[on].mean())) < 1e-5 and float(adv[on].std()) == pytest.approx(1, abs=0.05)
+        assert torch.equal(batch.tensors["returns"][~on], torch.zeros_like(batch.tensors["returns"][~on]))
+    else:
+        trees = batch.non_tensors["tree_index"]
+        groups = batch.non_tensors["group_index"]
+        assert r.arpo.policy == "tree_grpo"
+        assert all(len({t for t, gg in zip(trees, groups) if gg == g}) == r.arpo.initial_rollouts for g in range(4))
+        expected, _ = core_algos.compute_tree_grpo_outcome_advantage(
+            rewards, mask, np.asarray(batch.non_tensors["uid"]), tree_index=trees)
+        assert torch.allclose(adv, expected)
