@@ -15,8 +15,9 @@ Suites (every variant: same data, steps, seeds and budget M = ``actor_rollout_re
 - ``entropy_weight``: ARPO (rule ``code``) with ``actor_rollout_ref.rollout.arpo.entropy_weight`` 0 (the
   baseline: forks ignore entropy), 0.2 (the default), 0.4;
 - ``branching_rule``: ARPO with ``actor_rollout_ref.rollout.arpo.rule`` ``code`` (the baseline) vs ``paper``.
-- ``policy``: the rollout policy at the same budget: GRPO sampling (the baseline), ARPO, AEPO and Tree-GRPO
-  (``actor_rollout_ref.rollout.arpo.policy``; Tree-GRPO with its own advantage, ``adv_estimator=tree_grpo``).
+- ``policy``: the rollout policy at the same budget: GRPO sampling (the baseline), ARPO, AEPO (without and with
+  its entropy pre-monitoring) and Tree-GRPO (``actor_rollout_ref.rollout.arpo.policy``; Tree-GRPO with its own
+  advantage, ``adv_estimator=tree_grpo``).
 - ``baselines``: the paper's RL baselines, each a preset (``configs/preset/``): GRPO (the baseline), DAPO,
   REINFORCE++, PPO with a critic and ARPO.
 
@@ -128,6 +129,7 @@ SUITES = {s.name: s for s in (
         GRPO,
         ARPO_PRESET,
         Variant("aepo", ("preset=aepo",)),
+        Variant("aepo_pre_monitoring", ("preset=aepo", f"{ROLLOUT_KEY}.aepo_pre_monitoring=true")),
         Variant("tree_grpo", ("preset=tree_grpo",)),
     ), baseline="grpo"),
     Suite("baselines", "The paper's RL baselines at the same budget M: GRPO, DAPO (dynamic sampling generates more "

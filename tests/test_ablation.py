@@ -67,7 +67,8 @@ def test_seeds_and_overrides_are_separated_by_double_dash():
                         "ew_0.4": ("arpo", "soft", 0.4, "code")}),
     ("branching_rule", {"rule_code": ("arpo", "soft", 0.2, "code"), "rule_paper": ("arpo", "soft", 0.2, "paper")}),
     ("policy", {"grpo": ("single", "soft", 0.2, "code"), "arpo": ("arpo", "soft", 0.2, "code"),
-                "aepo": ("arpo", "soft", 0.2, "code"), "tree_grpo": ("arpo", "soft", 0.2, "code")}),
+                "aepo": ("arpo", "soft", 0.2, "code"), "aepo_pre_monitoring": ("arpo", "soft", 0.2, "code"),
+                "tree_grpo": ("arpo", "soft", 0.2, "code")}),
     ("baselines", {"grpo": ("single", "soft", 0.2, "code"), "dapo": ("single", "soft", 0.2, "code"),
                    "reinforce_plus_plus": ("single", "soft", 0.2, "code"), "ppo": ("single", "soft", 0.2, "code"),
                    "arpo": ("arpo", "soft", 0.2, "code")}),
@@ -83,7 +84,9 @@ def test_every_variant_composes_to_the_intended_config(suite, expect, tmp_path):
         cfg = load_config("arpo_trainer", list(run.overrides))  # unknown keys would fail here
         r = cfg.actor_rollout_ref.rollout
         assert (r.mode, cfg.algorithm.advantage_mode, r.arpo.entropy_weight, r.arpo.rule) == expect[run.variant.name]
-        assert r.arpo.policy == (run.variant.name if run.variant.name in ("aepo", "tree_grpo") else "arpo")
+        assert r.arpo.policy == {"aepo_pre_monitoring": "aepo"}.get(
+            run.variant.name, run.variant.name if run.variant.name in ("aepo", "tree_grpo") else "arpo")
+        assert r.arpo.aepo_pre_monitoring == (run.variant.name == "aepo_pre_monitoring")
         assert cfg.algorithm.adv_estimator == {"tree_grpo": "tree_grpo", "reinforce_plus_plus": "reinforce_plus_plus",
                                                "ppo": "gae"}.get(run.variant.name, "grpo")
         assert cfg.algorithm.filter_groups.enable == cfg.reward.overlong_buffer.enable == (run.variant.name == "dapo")
