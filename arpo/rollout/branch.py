@@ -80,6 +80,6 @@ class Branch:
         return not self.discarded and self.kind != "monitor"
 
     @property
-    def forks(self) -> bool:
+    def may_fork(self) -> bool:
         """It may fork after its tool results (fills and the probe never do)."""
         return self.kind not in ("fill", "monitor")

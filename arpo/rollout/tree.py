@@ -172,7 +172,7 @@ class RolloutTree:
 
     def needs_group_h0(self, b: Branch) -> bool:
         """The decision after ``b``'s next tool call compares against its group's initial entropy, not known yet."""
-        return (b.h_initial is None and b.forks and self.cfg.branching_enabled
+        return (b.h_initial is None and b.may_fork and self.cfg.branching_enabled
                 and self.bcfg.initial_entropy_scope == "group" and not self.h0_settled[b.group])
 
     def classify(self, b: Branch, out: GenerationOutput, finish: str,
@@ -255,7 +255,7 @@ class RolloutTree:
         b.seg_after_tool = True
         # Decide (and, timing paper, probe) even when the budget is spent: the draws and records then do not
         # depend on which trajectory spent it first.
-        if not cfg.branching_enabled or not b.forks:
+        if not cfg.branching_enabled or not b.may_fork:
             return
         if self.bcfg.timing == "code":
             if h_before is not None and b.h_initial is not None:
@@ -301,7 +301,7 @@ class RolloutTree:
 
     def first_decision_depth(self, b: Branch) -> int | None:
         """Tool-call depth of the next decision ``b`` can still take (None: none)."""
-        if not b.forks or b.speculative or b.phase is Phase.DONE or not self.cfg.branching_enabled:
+        if not b.may_fork or b.speculative or b.phase is Phase.DONE or not self.cfg.branching_enabled:
             return None
         if b.phase is Phase.PROBE:  # timing paper: the decision at the current result is still to come
             return b.n_calls
