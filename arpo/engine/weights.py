@@ -16,6 +16,8 @@ from typing import Mapping, Union
 import numpy as np
 import torch
 
+from tools.python_sandbox.cgroups import pid_alive
+
 WEIGHTS_FILE = "model.safetensors"
 
 #: what ``update_weights`` takes: a state dict in HF names (tensors, or :func:`for_transport`'s arrays), or a
@@ -33,19 +35,10 @@ def default_weights_dir(tag: str = "arpo_weights") -> Path:
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     for old in Path(base or tempfile.gettempdir()).glob(f"{tag}_pid*_*"):
         pid = old.name[len(tag) + 4:].split("_", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix=f"{tag}_pid{os.getpid()}_", dir=base))
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def save_weights_for_engine(weights: torch.nn.Module | Mapping[str, torch.Tensor], out_dir: str | Path,

@@ -125,7 +125,8 @@ def cgroup_support() -> tuple[CgroupSupport | None, str]:
     return None, "; ".join(reasons)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (someone else's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -146,7 +147,7 @@ def _sweep_stale(support: CgroupSupport) -> None:
             if not name.startswith(_PREFIX):
                 continue
             owner = name[len(_PREFIX):].split("-", 1)[0]
-            if owner.isdigit() and not _pid_alive(int(owner)):
+            if owner.isdigit() and not pid_alive(int(owner)):
                 try:
                     os.rmdir(os.path.join(parent, name))
                 except OSError:
