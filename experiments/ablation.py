@@ -30,6 +30,8 @@ keys] [keys after --]``; the keys after ``--`` come last, so they win. Rerunning
 that wrote ``summary.json`` and reruns the others, which resume from their last checkpoint
 (``trainer.resume_mode=auto`` under ``<output_dir>/checkpoints``, every ``trainer.save_freq`` steps); Ctrl-C
 stops the runs in flight. ``--jobs N`` runs N at once (their wall times then include each other's load).
+``--variants A B`` trains only those variants (the baseline among them); the others' results already in ``--out``
+stay in the table.
 
 Written under ``--out`` (commit it): ``README.md`` (command, git SHA, table, figures, branching), ``table.md``
 (mean ± std over seeds, Welch's t-test p-values against the baseline), ``runs.csv``, ``reward_curves.png``
@@ -435,6 +437,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                                      epilog="Keys after -- go to every run (python -m arpo.main_arpo).")
     parser.add_argument("--suite", required=True, choices=sorted(SUITES))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--variants", nargs="+", default=None,
+                        help="train only these of the suite's variants (default: all; the baseline is always "
+                             "among them, since the table compares against it); results already in --out stay")
     parser.add_argument("--preset", default="tiny",
                         help="pipeline preset (configs/pipeline/<name>.yaml) whose RL overrides every run starts "
                              "from and whose output folder holds the default model and data: tiny | smollm2")
@@ -464,6 +469,13 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"after -- give key=value overrides, got {bad}")
     if args.smoke:
         args.seeds = args.seeds[:1]
+    suite = SUITES[args.suite]
+    names = [v.name for v in suite.variants]
+    unknown = sorted(set(args.variants or ()) - set(names))
+    if unknown:
+        parser.error(f"--variants {' '.join(unknown)}: not in suite {suite.name}; choose from {' '.join(names)}")
+    if args.variants is not None and suite.baseline not in args.variants:
+        parser.error(f"--variants: include the baseline {suite.baseline} (the table compares every variant with it)")
     if args.dump_prompts is None:
         args.dump_prompts = SMOKE_DUMP_PROMPTS if args.smoke else 16
     default_out = args.suite if args.preset == "tiny" else f"{args.preset}_{args.suite}"
@@ -522,6 +534,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              f"--skip-rl` builds the preset's SFT model and data)")
     runs = plan_runs(suite, args.seeds, args.model_dir, args.data_dir, args.runs_dir, args.smoke, extra,
                      args.preset_overrides)
+    if args.variants is not None:
+        runs = [r for r in runs if r.variant.name in args.variants]
     for run in runs:
         if run.finished:
             changed = _changed_overrides(run)

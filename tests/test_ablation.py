@@ -34,9 +34,11 @@ def run_smoke_ablation(sft_model_dir: Path, root: Path) -> dict[str, Path]:
 
 def _ablation(sft_model_dir: Path, out: Path, runs: Path, *extra: str) -> subprocess.CompletedProcess:
     data = sft_model_dir.parents[1] / "data" / "synthetic"
-    # --jobs 3: the three variants' start-ups overlap (most of a 2-step run), ~20% off the test's time
+    # two of the three variants (CI time): the baseline and ARPO with hard advantage (ARPO's rollout and the hard
+    # advantage both exercised; soft vs hard differ in the trainer's advantage step, tested in tests/trainer);
+    # --jobs 2: their start-ups overlap (most of a 2-step run)
     cmd = [sys.executable, str(REPO_ROOT / "experiments" / "ablation.py"), "--suite", "advantage", "--smoke",
-           "--jobs", "3", "--seeds", "3", "4", "--model-dir", str(sft_model_dir), "--data-dir", str(data),
+           "--variants", "grpo", "arpo_hard", "--jobs", "2", "--seeds", "3", "4", "--model-dir", str(sft_model_dir), "--data-dir", str(data),
            "--out", str(out), "--runs-dir", str(runs), *extra]
     return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "TQDM_DISABLE": "1"})
@@ -58,6 +60,17 @@ def test_seeds_and_overrides_are_separated_by_double_dash():
     assert smoke.seeds == [2] and smoke.dump_prompts == ablation.SMOKE_DUMP_PROMPTS
     with pytest.raises(SystemExit):
         ablation.parse_args(["--suite", "advantage", "--", "not-an-override"])
+
+
+def test_variants_pick_part_of_a_suite_and_keep_its_baseline(capsys):
+    args, _ = ablation.parse_args(["--suite", "policy", "--variants", "grpo", "tree_grpo"])
+    assert args.variants == ["grpo", "tree_grpo"]
+    assert ablation.parse_args(["--suite", "policy"])[0].variants is None  # default: every variant
+    for bad, why in ((["arpo_soft"], "--variants arpo_soft: not in suite policy; choose from grpo arpo aepo"),
+                     (["aepo"], "include the baseline grpo")):
+        with pytest.raises(SystemExit):
+            ablation.parse_args(["--suite", "policy", "--variants", *bad])
+        assert why in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("suite, expect", [
@@ -135,15 +148,17 @@ def test_a_preset_sizes_every_run_and_names_its_model_and_data(tmp_path):
 @pytest.mark.slow
 def test_smoke_advantage_suite_writes_results_and_skips_finished_runs(smoke_ablation, sft_model_dir):
     out, runs = smoke_ablation["out"], smoke_ablation["runs"]
-    variants = ["grpo", "arpo_soft", "arpo_hard"]
+    variants = ["grpo", "arpo_hard"]
     readme = (out / "README.md").read_text()
     table = (out / "table.md").read_text()
     for text in (readme, table):
-        assert "python experiments/ablation.py --suite advantage --smoke --jobs 3 --seeds 3 4" in text
+        assert ("python experiments/ablation.py --suite advantage --smoke --variants grpo arpo_hard --jobs 2 "
+                "--seeds 3 4") in text
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True).stdout
         assert f"git SHA: `{sha.strip()}" in text
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| Variant")]
-    assert [r.split("|")[1].strip() for r in rows] == ["grpo (baseline)", "arpo_soft", "arpo_hard"]
+    assert [r.split("|")[1].strip() for r in rows] == ["grpo (baseline)", "arpo_hard"]
+    assert not (out / "runs" / "arpo_soft").exists() and not (runs / "advantage" / "arpo_soft").exists()
     for variant in variants:  # smoke: only the first seed given
         run = out / "runs" / variant / "seed3"
         steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -162,7 +177,7 @@ def test_smoke_advantage_suite_writes_results_and_skips_finished_runs(smoke_abla
     assert "forks / group" in readme
     assert "Gain over the starting model" in readme and "| grpo | 3 |" in readme  # paired gain per run
     # each variant against the baseline at the same seed, paired by validation question
-    assert "Against `grpo` at the same seed" in readme and "| arpo_soft | 3 |" in readme
+    assert "Against `grpo` at the same seed" in readme and "| arpo_hard | 3 |" in readme
     correct = json.loads((out / "runs" / "grpo" / "seed3" / ablation.FINAL_CORRECTNESS).read_text())
     assert len(correct) == 8 and set(correct.values()) <= {0.0, 1.0}  # smoke: 8 validation questions
 
@@ -173,7 +188,7 @@ def test_smoke_advantage_suite_writes_results_and_skips_finished_runs(smoke_abla
     again = _ablation(sft_model_dir, out, runs)
     assert again.returncode == 0, again.stderr[-4000:]
     assert time.perf_counter() - start < 0.25 * smoke_ablation["seconds"]
-    assert again.stderr.count("finished earlier, skipped") == 3
+    assert again.stderr.count("finished earlier, skipped") == 2
     assert {v: (runs / "advantage" / v / "seed3" / "ablation_run.json").read_text() for v in variants} == records
     assert {v: (out / "rollouts" / f"{v}.jsonl").stat().st_mtime_ns for v in variants} == dumps
     assert (out / "table.md").read_text().split("\n\n", 1)[1] == table.split("\n\n", 1)[1]
