@@ -51,6 +51,12 @@ def load_config(name: str, overrides: Sequence[str] | None = None) -> DictConfig
         msg = str(e).splitlines()[0]
         if "not in struct" in msg or "Could not override" in msg:
             key = msg.split("'")[1] if "'" in msg else msg
+            from arpo.rollout.config import CONFIG_PREFIX, RENAMED
+
+            leaf = key.removeprefix(CONFIG_PREFIX + ".")
+            if key.startswith(CONFIG_PREFIX + ".") and leaf in RENAMED:
+                raise ConfigError(f"config key '{key}' is now '{CONFIG_PREFIX}.{RENAMED[leaf]}' (configs/rollout/"
+                                  f"arpo.yaml: one sub-section per concern)") from None
             raise ConfigError(f"unknown config key '{key}' for configs/{name}.yaml: check its spelling against "
                               f"that file (every valid key is documented there)") from None
         raise ConfigError(f"configs/{name}.yaml: {msg}") from None

@@ -66,9 +66,14 @@ def validate_config(cfg: DictConfig) -> None:
         OverlongBuffer.from_config(cfg.reward.get("overlong_buffer"), cfg.data.max_response_length)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if arpo_cfg.n != r.n:
-        raise ConfigError(f"actor_rollout_ref.rollout.arpo.n={arpo_cfg.n} differs from actor_rollout_ref.rollout.n="
-                          f"{r.n}: the budget M is one number; set only actor_rollout_ref.rollout.n")
+    # one value per setting: the tree rollout reads verl's keys through interpolations (configs/arpo_trainer.yaml)
+    s = arpo_cfg.sampling
+    for mine, theirs, verl in ((arpo_cfg.n, r.n, "n"), (s.temperature, r.temperature, "temperature"),
+                               (s.top_p, r.top_p, "top_p"), (s.top_k, r.top_k, "top_k")):
+        if mine != theirs:
+            where = "n" if verl == "n" else f"sampling.{verl}"
+            raise ConfigError(f"actor_rollout_ref.rollout.arpo.{where}={mine} differs from actor_rollout_ref.rollout."
+                              f"{verl}={theirs}: one setting, one value; set only actor_rollout_ref.rollout.{verl}")
     if cfg.ray_init.address is None and cfg.ray_init.num_cpus is not None:
         require_cpus(cfg, cfg.ray_init.num_cpus, "ray_init.num_cpus gives",
                      "raise ray_init.num_cpus (logical CPUs may exceed the cores) or lower the others")
@@ -76,8 +81,9 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.nnodes={cfg.trainer.nnodes} needs a Ray cluster of that many nodes, and a run "
                           f"without ray_init.address starts a private one-node cluster: start one (ray start "
                           f"--head, then ray start --address=... on the others) and set ray_init.address")
-    if arpo_cfg.max_response_length > cfg.data.max_response_length:
-        raise ConfigError(f"actor_rollout_ref.rollout.arpo.max_response_length={arpo_cfg.max_response_length} exceeds "
+    if arpo_cfg.sampling.max_response_length > cfg.data.max_response_length:
+        raise ConfigError(f"actor_rollout_ref.rollout.arpo.sampling.max_response_length="
+                          f"{arpo_cfg.sampling.max_response_length} exceeds "
                           f"data.max_response_length={cfg.data.max_response_length}")
 
 

@@ -43,6 +43,17 @@ def format_tool_result(text: str) -> str:
 
 
 @dataclass(frozen=True)
+class MalformedCall:
+    """A close tag without its open tag: no call to run; the trajectory gets an error text as its result."""
+
+    tool: str
+
+    def error_text(self) -> str:
+        open_tag, close_tag = TOOL_TAGS[self.tool]
+        return f"Error: malformed tool call: {close_tag} without a matching {open_tag}. Write {open_tag}...{close_tag}."
+
+
+@dataclass(frozen=True)
 class ToolCall:
     """A tool call found at the end of a generated segment."""
 

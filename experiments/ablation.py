@@ -12,9 +12,9 @@ Suites (every variant: same data, steps, seeds and budget M = ``actor_rollout_re
 
 - ``advantage``: ``grpo`` (plain sampling, ``rollout.mode=single``; the baseline) vs ARPO with
   ``algorithm.advantage_mode`` ``soft`` and ``hard``;
-- ``entropy_weight``: ARPO (rule ``code``) with ``actor_rollout_ref.rollout.arpo.entropy_weight`` 0 (the
+- ``entropy_weight``: ARPO (rule ``code``) with ``actor_rollout_ref.rollout.arpo.branching.entropy_weight`` 0 (the
   baseline: forks ignore entropy), 0.2 (the default), 0.4;
-- ``branching_rule``: ARPO with ``actor_rollout_ref.rollout.arpo.rule`` ``code`` (the baseline) vs ``paper``.
+- ``branching_rule``: ARPO with ``actor_rollout_ref.rollout.arpo.branching.rule`` ``code`` (the baseline) vs ``paper``.
 - ``policy``: the rollout policy at the same budget: GRPO sampling (the baseline), ARPO, AEPO (without and with
   its entropy pre-monitoring) and Tree-GRPO (``actor_rollout_ref.rollout.arpo.policy``; Tree-GRPO with its own
   advantage, ``adv_estimator=tree_grpo``).
@@ -120,18 +120,19 @@ SUITES = {s.name: s for s in (
         Variant("arpo_hard", ("preset=arpo_hard",)),
     ), baseline="grpo"),
     Suite("entropy_weight", "ARPO's entropy weight in the branching rule (rule code; 0: forks ignore entropy)",
-          tuple(Variant(f"ew_{w}", (ARPO, f"{ROLLOUT_KEY}.rule=code", f"{ROLLOUT_KEY}.entropy_weight={w}"))
+          tuple(Variant(f"ew_{w}", (ARPO, f"{ROLLOUT_KEY}.branching.rule=code",
+                                    f"{ROLLOUT_KEY}.branching.entropy_weight={w}"))
                 for w in ("0", "0.2", "0.4")), baseline="ew_0"),
     Suite("branching_rule", "ARPO's branching rule: the released code's vs the paper's", (
-        Variant("rule_code", (ARPO, f"{ROLLOUT_KEY}.rule=code")),
-        Variant("rule_paper", (ARPO, f"{ROLLOUT_KEY}.rule=paper")),
+        Variant("rule_code", (ARPO, f"{ROLLOUT_KEY}.branching.rule=code")),
+        Variant("rule_paper", (ARPO, f"{ROLLOUT_KEY}.branching.rule=paper")),
     ), baseline="rule_code"),
     Suite("policy", "Rollout policy at the same budget: GRPO sampling, ARPO, AEPO (damped consecutive forks), "
                     "Tree-GRPO (tree search, intra + inter-tree advantage)", (
         GRPO,
         ARPO_PRESET,
         Variant("aepo", ("preset=aepo",)),
-        Variant("aepo_pre_monitoring", ("preset=aepo", f"{ROLLOUT_KEY}.aepo_pre_monitoring=true")),
+        Variant("aepo_pre_monitoring", ("preset=aepo", f"{ROLLOUT_KEY}.aepo.pre_monitoring=true")),
         Variant("tree_grpo", ("preset=tree_grpo",)),
     ), baseline="grpo"),
     Suite("baselines", "The paper's RL baselines at the same budget M: GRPO, DAPO (dynamic sampling generates more "

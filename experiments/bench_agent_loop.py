@@ -63,10 +63,11 @@ class SlowSearch(BaseTool):
 
 
 def rollout_config(args, seed: int, schedule: str = "async") -> dict[str, Any]:
-    return {"n": args.n, "initial_rollouts": args.initial, "beam_size": args.beam,
-            "branch_probability": args.branch_probability, "entropy_weight": 0.2, "timing": args.timing,
-            "entropy_window": 20, "tool_call_limit": args.max_calls, "max_response_length": args.response_length,
-            "seed": seed, "tool_workers": args.tool_workers, "tool_retries": 0, "schedule": schedule}
+    return {"n": args.n, "initial_rollouts": args.initial, "seed": seed, "branching.beam_size": args.beam,
+            "branching.branch_probability": args.branch_probability, "branching.entropy_weight": 0.2,
+            "branching.timing": args.timing, "entropy.window": 20, "tools.call_limit": args.max_calls,
+            "sampling.max_response_length": args.response_length, "tools.workers": args.tool_workers,
+            "tools.retries": 0, "schedule.mode": schedule}
 
 
 def make_engine(args, tokenizer) -> ScriptedEngine:

@@ -139,57 +139,59 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     else:
         prompts = [tokenizer.encode(f"Question {i}: which city is the capital of country number {i}?",
                                     add_special_tokens=False) for i in range(args.prompts)]
-    common = dict(n=args.n, max_response_length=args.max_response_length, tool_call_limit=args.tool_call_limit,
-                  tool_retries=0, schedule=args.schedule)
-    rounds = dict(common, schedule="rounds")
-    arpo = dict(common, mode="arpo", initial_rollouts=args.initial, timing=args.timing)
-    cfgs = {
-        "arpo": ARPORolloutConfig(**arpo),
+    common = {"n": args.n, "sampling.max_response_length": args.max_response_length,
+              "tools.call_limit": args.tool_call_limit, "tools.retries": 0, "schedule.mode": args.schedule}
+    arpo = {**common, "mode": "arpo", "initial_rollouts": args.initial, "branching.timing": args.timing}
+    speculative = args.n - args.initial if args.speculative_fill is None else args.speculative_fill
+    variants = {
+        "arpo": arpo,
         # fills wait for the look-ahead over the known draws alone: what fill prediction saves
-        "arpo_no_fill_prediction": ARPORolloutConfig(**dict(arpo, speculative_fill_probability=None)),
+        "arpo_no_fill_prediction": {**arpo, "schedule.fill_probability": None},
         # fill prediction with another threshold
-        "arpo_fill_probability": ARPORolloutConfig(**dict(arpo, speculative_fill_probability=args.fill_probability)),
+        "arpo_fill_probability": {**arpo, "schedule.fill_probability": args.fill_probability},
         # K fills per group started with the initial rollouts, no prediction
-        "arpo_speculative_fill": ARPORolloutConfig(**dict(
-            arpo, speculative_fill_probability=None,
-            speculative_fill=args.n - args.initial if args.speculative_fill is None else args.speculative_fill)),
+        "arpo_speculative_fill": {**arpo, "schedule.fill_probability": None, "schedule.speculative_fill": speculative},
         # ARPO asking for logprobs on every token (return_entropy): what the window-only requests save
-        "arpo_all_logprobs": ARPORolloutConfig(**dict(arpo, return_entropy=True)),
+        "arpo_all_logprobs": {**arpo, "return_entropy": True},
         # groups short of M padded with copies of their last trajectory (the released code; biased, no extra
         # trajectories to generate): what fresh fills cost
-        "arpo_fill_duplicate": ARPORolloutConfig(**dict(arpo, fill="duplicate")),
+        "arpo_fill_duplicate": {**arpo, "schedule.fill": "duplicate"},
         # slots to whichever decision comes first: what ordered grants (same batch whatever the timing) cost
-        "arpo_first_come": ARPORolloutConfig(**dict(arpo, branch_grant="first_come")),
+        "arpo_first_come": {**arpo, "schedule.branch_grant": "first_come"},
         # the round-synchronous loop (released code's; exact replay): what the per-trajectory tasks save
-        "arpo_rounds": ARPORolloutConfig(**dict(arpo, schedule="rounds")),
+        "arpo_rounds": {**arpo, "schedule.mode": "rounds"},
         # the successors at the same budget: AEPO (ARPO damped after consecutive forks on a path) and
         # Tree-GRPO (initial trees grown from nodes at tool results; n must be a multiple of initial)
-        "aepo": ARPORolloutConfig(**dict(arpo, policy="aepo")),
+        "aepo": {**arpo, "policy": "aepo"},
         # AEPO with its entropy pre-monitoring: a probe trajectory per prompt first, then N set from its entropies
-        "aepo_pre_monitoring": ARPORolloutConfig(**dict(arpo, policy="aepo", aepo_pre_monitoring=True)),
-        "tree_grpo": ARPORolloutConfig(**dict(arpo, policy="tree_grpo")),
-        "single": ARPORolloutConfig(mode="single", **common),
-        "single_rounds": ARPORolloutConfig(mode="single", **rounds),
+        "aepo_pre_monitoring": {**arpo, "policy": "aepo", "aepo.pre_monitoring": True},
+        "tree_grpo": {**arpo, "policy": "tree_grpo"},
+        "single": {**common, "mode": "single"},
+        "single_rounds": {**common, "mode": "single", "schedule.mode": "rounds"},
         # the same sampling with top-k logprobs on every token: what entropy measurement alone costs
-        "single_logprobs": ARPORolloutConfig(mode="single", return_entropy=True, **common),
+        "single_logprobs": {**common, "mode": "single", "return_entropy": True},
     }
+    if args.modes:
+        unknown = sorted(set(args.modes) - set(variants))
+        if unknown:
+            raise SystemExit(f"--modes: unknown {unknown}; choose from {sorted(variants)}")
+        keep = set(args.modes) | {"arpo", "single"} | ({"single_rounds"} if "arpo_rounds" in args.modes else set())
+        variants = {m: v for m, v in variants.items() if m in keep}
+    try:  # only the chosen modes: e.g. tree_grpo needs n to be a multiple of initial
+        cfgs = {name: ARPORolloutConfig.from_dict(v) for name, v in variants.items()}
+    except ValueError as err:
+        raise SystemExit(f"--n/--initial/--modes: {err}") from None
     result: dict[str, Any] = {"engine": engine_name, "prompts": args.prompts, "budget_m": args.n,
                               "initial_rollouts": args.initial, "timing": args.timing,
                               "python": platform.python_version()}
     # one untimed run first: the engine's first requests pay for allocations no later run pays for
-    await _run_once(engine, tokenizer, tools, prompts, cfgs["arpo"].validate(), args.seed + 1000)
+    await _run_once(engine, tokenizer, tools, prompts, cfgs["arpo"], args.seed + 1000)
     # modes interleaved within each repeat, so drifts of the machine's speed hit every mode alike
-    if args.modes:
-        unknown = sorted(set(args.modes) - set(cfgs))
-        if unknown:
-            raise SystemExit(f"--modes: unknown {unknown}; choose from {sorted(cfgs)}")
-        keep = set(args.modes) | {"arpo", "single"} | ({"single_rounds"} if "arpo_rounds" in args.modes else set())
-        cfgs = {m: c for m, c in cfgs.items() if m in keep}
     runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in cfgs}
     rate_priors: dict[str, dict[int, float]] = {}
     for r in range(args.repeats):
         for mode, cfg in cfgs.items():
-            runs[mode].append(await _run_once(engine, tokenizer, tools, prompts, cfg.validate(), args.seed + r,
+            runs[mode].append(await _run_once(engine, tokenizer, tools, prompts, cfg, args.seed + r,
                                               rate_priors, mode))
     for mode in cfgs:
         result[mode] = _summary(runs[mode])

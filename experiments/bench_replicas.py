@@ -77,8 +77,9 @@ async def _compare(make_engines, replicas: list[int], tokenizer, tools, prompts,
 async def amain(args: argparse.Namespace) -> dict[str, Any]:
     from experiments.bench_arpo_rollout import InstantPython, InstantSearch
 
-    cfg = ARPORolloutConfig(mode="arpo", n=args.n, initial_rollouts=args.initial,
-                            max_response_length=args.max_response_length, tool_call_limit=3, tool_retries=0)
+    cfg = ARPORolloutConfig.from_dict({"mode": "arpo", "n": args.n, "initial_rollouts": args.initial,
+                                       "sampling.max_response_length": args.max_response_length,
+                                       "tools.call_limit": 3, "tools.retries": 0})
     result: dict[str, Any] = {"prompts": args.prompts, "budget_m": args.n, "initial_rollouts": args.initial,
                               "cores": _cores()}
 

@@ -8,7 +8,7 @@ rule of an ablation variant). One JSONL row per trajectory, in batch order (``pa
 Example:
     python experiments/dump_rollout_entropy.py --model outputs/tiny_arpo/models/tiny-sft \
         --data outputs/tiny_arpo/data/synthetic --out outputs/analysis/rollouts.jsonl --limit 64 \
-        [actor_rollout_ref.rollout.arpo.rule=paper ...]
+        [actor_rollout_ref.rollout.arpo.branching.rule=paper ...]
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ DATA=${ARPO_SHARED_DATA:-../shared/data/arpo}
   data.train_files="$DATA/rl/train_10k.parquet" data.val_files="$DATA/rl/valid.parquet" \
   data.train_batch_size=128 data.max_prompt_length=1536 data.max_response_length=4096 \
   actor_rollout_ref.rollout.n=16 actor_rollout_ref.rollout.arpo.initial_rollouts=8 \
-  actor_rollout_ref.rollout.arpo.beam_size=2 actor_rollout_ref.rollout.arpo.branch_probability=0.5 \
-  actor_rollout_ref.rollout.arpo.entropy_weight=0.2 actor_rollout_ref.rollout.arpo.tool_call_limit=3 \
-  actor_rollout_ref.rollout.arpo.tool_workers=64 actor_rollout_ref.rollout.arpo.tool_timeout_s=120 \
+  actor_rollout_ref.rollout.arpo.branching.beam_size=2 actor_rollout_ref.rollout.arpo.branching.branch_probability=0.5 \
+  actor_rollout_ref.rollout.arpo.branching.entropy_weight=0.2 actor_rollout_ref.rollout.arpo.tools.call_limit=3 \
+  actor_rollout_ref.rollout.arpo.tools.workers=64 actor_rollout_ref.rollout.arpo.tools.timeout_s=120 \
   actor_rollout_ref.rollout.max_model_len=5632 actor_rollout_ref.rollout.gpu_memory_utilization=0.6 \
   actor_rollout_ref.rollout.cpu_kvcache_space_gb=null \
   actor_rollout_ref.actor.ppo_mini_batch_size=16 actor_rollout_ref.actor.optim.lr=1e-6 \

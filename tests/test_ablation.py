@@ -96,10 +96,10 @@ def test_every_variant_composes_to_the_intended_config(suite, expect, tmp_path):
     for run in runs:
         cfg = load_config("arpo_trainer", list(run.overrides))  # unknown keys would fail here
         r = cfg.actor_rollout_ref.rollout
-        assert (r.mode, cfg.algorithm.advantage_mode, r.arpo.entropy_weight, r.arpo.rule) == expect[run.variant.name]
+        assert (r.mode, cfg.algorithm.advantage_mode, r.arpo.branching.entropy_weight, r.arpo.branching.rule) == expect[run.variant.name]
         assert r.arpo.policy == {"aepo_pre_monitoring": "aepo"}.get(
             run.variant.name, run.variant.name if run.variant.name in ("aepo", "tree_grpo") else "arpo")
-        assert r.arpo.aepo_pre_monitoring == (run.variant.name == "aepo_pre_monitoring")
+        assert r.arpo.aepo.pre_monitoring == (run.variant.name == "aepo_pre_monitoring")
         assert cfg.algorithm.adv_estimator == {"tree_grpo": "tree_grpo", "reinforce_plus_plus": "reinforce_plus_plus",
                                                "ppo": "gae"}.get(run.variant.name, "grpo")
         assert cfg.algorithm.filter_groups.enable == cfg.reward.overlong_buffer.enable == (run.variant.name == "dapo")

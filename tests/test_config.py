@@ -11,6 +11,12 @@ def test_unknown_key_names_the_key():
         load_config("synthetic_data", ["synthetic.sizes.trian=5"])
 
 
+def test_a_moved_rollout_key_names_its_new_place():
+    with pytest.raises(ConfigError, match="'actor_rollout_ref.rollout.arpo.entropy_window' is now "
+                                          "'actor_rollout_ref.rollout.arpo.entropy.window'"):
+        load_config("arpo_trainer", ["actor_rollout_ref.rollout.arpo.entropy_window=5"])
+
+
 def test_overrides_apply():
     cfg = load_config("sft", ["sft.epochs=1", "synthetic.out_dir=/x"])
     assert cfg.sft.epochs == 1 and cfg.sft.train_file == "/x/train.parquet"

@@ -72,9 +72,12 @@ def start_up_config_error(model: Path, data: Path, *overrides: str) -> str:
     (["preset=ppo", "trainer.critic_warmup=-1"], "trainer.critic_warmup must be an integer >= 0"),
     (["preset=ppo", "critic.model.path=/nonexistent"], "critic.model.path=/nonexistent is not an HF model directory"),
     (["preset=ppo", "ray_init.num_cpus=4"], "actor + critic, + 1 per engine replica"),
-    (["actor_rollout_ref.rollout.arpo.aepo_pre_monitoring=true"],
-     "aepo_pre_monitoring=True: true only with actor_rollout_ref.rollout.arpo.policy=aepo"),
-    (["preset=aepo", "actor_rollout_ref.rollout.arpo.aepo_beta=0"], "aepo_beta=0: must be a number > 0"),
+    (["actor_rollout_ref.rollout.arpo.aepo.pre_monitoring=true"],
+     "aepo.pre_monitoring=True: true only with actor_rollout_ref.rollout.arpo.policy=aepo"),
+    (["preset=aepo", "actor_rollout_ref.rollout.arpo.aepo.beta=0"], "aepo.beta=0: use a number > 0"),
+    (["actor_rollout_ref.rollout.arpo.sampling.temperature=0.5"], "actor_rollout_ref.rollout.arpo.sampling.temperature"
+     "=0.5 differs from actor_rollout_ref.rollout.temperature=1.0: one setting, one value; set only "
+     "actor_rollout_ref.rollout.temperature"),
     (["actor_rollout_ref.rollout.num_replicas=0"], "actor_rollout_ref.rollout.num_replicas=0: must be >= 1"),
     (["actor_rollout_ref.rollout.num_replicas=2", "actor_rollout_ref.rollout.ray_actor=false"],
      "num_replicas=2 needs actor_rollout_ref.rollout.ray_actor=true"),
@@ -271,7 +274,7 @@ def test_aepo_preset_with_sequence_level_rollout_correction_trains(sft_model_dir
                             "trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.val_before_train=false",
                             "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.calculate_log_probs=true",
                             "algorithm.rollout_correction.rollout_is=sequence",
-                            "actor_rollout_ref.rollout.arpo.aepo_pre_monitoring=true"),
+                            "actor_rollout_ref.rollout.arpo.aepo.pre_monitoring=true"),
                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env=run_env())
     assert r.returncode == 0, r.stderr[-4000:]
     (m,) = [m for m in read_metrics(out) if m["step"] > 0]
@@ -308,7 +311,7 @@ def test_preset_from_config_alone_on_the_trainers_rollout_and_advantage_path(pre
     r = cfg.actor_rollout_ref.rollout
     assert cfg.algorithm.adv_estimator == preset
     engine = ScriptedEngine()
-    gen = ARPORollout(engine, engine.tokenizer, {**dict(r.arpo), "mode": r.mode, "max_response_length": 200},
+    gen = ARPORollout(engine, engine.tokenizer, {**dict(r.arpo), "mode": r.mode, "sampling.max_response_length": 200},
                       tools=[FakeSearch(), FakePython()])
     try:
         batch = gen.generate([engine.tokenizer.encode(f"Question {i}?") for i in range(4)], seed=0)

@@ -10,7 +10,6 @@ server's prefix cache), and groups start and finish independently of each other.
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from typing import Any
 
@@ -44,10 +43,10 @@ class ARPOAgentLoop(AgentLoopBase):
                   **dataset_fields: Any) -> list[AgentLoopOutput]:
         """``group`` and ``call_seed``: the prompt's row and the batch's seed (the draws and request seeds
         derive from both, as in the batch rollout); ``rollout_overrides``: config keys for this call."""
-        cfg = dataclasses.replace(self.cfg, **{
-            "n": n, "temperature": sampling_params.temperature, "top_p": sampling_params.top_p,
-            "top_k": sampling_params.top_k, "calculate_log_probs": self.ctx.calculate_log_probs,
-            **(rollout_overrides or {})}).validate()
+        cfg = self.cfg.updated({
+            "n": n, "sampling.temperature": sampling_params.temperature, "sampling.top_p": sampling_params.top_p,
+            "sampling.top_k": sampling_params.top_k, "calculate_log_probs": self.ctx.calculate_log_probs,
+            **(rollout_overrides or {})})
         seed = call_seed if call_seed is not None else (sampling_params.seed if sampling_params.seed is not None
                                                         else cfg.seed)
         prompt = self.ctx.templater.prompt_ids(messages, with_tools=False)

@@ -135,7 +135,7 @@ def _fingerprint(cfg: DictConfig) -> dict[str, Any]:
         "method": _method(cfg),
         "seed": int(cfg.eval.seed),
         "model_path": str(cfg.actor_rollout_ref.model.path),
-        "sampling": {k: OmegaConf.to_container(a)[k] for k in
+        "sampling": {k: OmegaConf.to_container(a.sampling)[k] for k in
                      ("temperature", "top_p", "top_k", "repetition_penalty", "max_response_length", "extra_stop")},
         "tool_limits": {"python": int(cfg.eval.max_python_calls), "search": int(cfg.eval.max_search_calls),
                         "total": int(cfg.eval.max_total_calls),
@@ -205,7 +205,7 @@ def _build_rollout_config(cfg: DictConfig):
 
     values = OmegaConf.to_container(cfg.actor_rollout_ref.rollout.arpo, resolve=True)
     e = cfg.eval
-    values.update(mode="single", n=1, show_progress=False, tool_call_limit=int(e.max_total_calls))
+    values.update({"mode": "single", "n": 1, "show_progress": False, "tools.call_limit": int(e.max_total_calls)})
     try:
         return ARPORolloutConfig.from_dict(values)
     except ValueError as err:
@@ -280,9 +280,9 @@ def _generate(cfg: DictConfig, rollout_config: Any, grader: Any, run_dir: Path, 
     except ToolConfigError as err:
         raise ConfigError(str(err)) from None
     limits = {"python": int(cfg.eval.max_python_calls), "search": int(cfg.eval.max_search_calls)}
-    executor = ToolExecutor(tools, max_workers=rollout_config.tool_workers, timeout_s=rollout_config.tool_timeout_s,
-                            retries=rollout_config.tool_retries, retry_on_empty=rollout_config.retry_on_empty,
-                            max_result_chars=rollout_config.max_result_chars)
+    executor = ToolExecutor(tools, max_workers=rollout_config.tools.workers, timeout_s=rollout_config.tools.timeout_s,
+                            retries=rollout_config.tools.retries, retry_on_empty=rollout_config.tools.retry_on_empty,
+                            max_result_chars=rollout_config.tools.max_result_chars)
     try:
         engine = create_engine(cfg)
     except ValueError as err:

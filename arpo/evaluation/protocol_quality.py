@@ -51,9 +51,10 @@ def measure_protocol_quality(model_dir: str | Path, data_dir: str | Path, *, spl
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     engine = VLLMEngine(EngineConfig(model_path=str(model_dir), max_model_len=1024))
     tools = load_tools(cfg.tools)
-    rollout = ARPORollout(engine, tok, {"mode": "single", "n": 1, "initial_rollouts": 1,
-                                        "max_response_length": max_response_length, "temperature": temperature,
-                                        "tool_call_limit": tool_call_limit, "seed": seed}, tools)
+    rollout = ARPORollout(engine, tok, {"mode": "single", "n": 1, "initial_rollouts": 1, "seed": seed,
+                                        "sampling": {"max_response_length": max_response_length,
+                                                     "temperature": temperature},
+                                        "tools.call_limit": tool_call_limit}, tools)
     prompts = [tok.apply_chat_template(list(p), add_generation_prompt=True, tokenize=True)["input_ids"]
                for p in df.prompt]
 

@@ -1,6 +1,6 @@
 """Per-tool call limits for one trajectory, as ARPO's evaluation enforces them (5 python, 10 search).
 
-The rollout (:mod:`arpo.rollout.arpo_rollout`) knows one limit, ``tool_call_limit``, on all calls of a
+The rollout (:mod:`arpo.rollout.arpo_rollout`) knows one limit, ``tools.call_limit``, on all calls of a
 trajectory together, after which it ends the trajectory. ARPO's evaluation instead counts each tool
 on its own and, past a tool's limit, does not run the call but answers it with a refusal the model
 can read, then lets it continue (it may still answer, or use the other tool). It also refuses a
@@ -9,7 +9,7 @@ search query the trajectory already sent.
 :class:`TrajectoryToolLimits` wraps the shared :class:`~arpo.rollout.tool_executor.ToolExecutor` for ONE
 trajectory (evaluation rolls out each sample on its own), so the same tools and executor as training
 run every call that is allowed. Refusals come back with ``ok=False`` so the rollout records them as
-errors and the rewards do not count them as tool use. The rollout's total ``tool_call_limit`` is set
+errors and the rewards do not count them as tool use. The rollout's total ``tools.call_limit`` is set
 by the evaluation to ``eval.max_total_calls`` (calls run or refused), which bounds a model that keeps
 calling after its limits (ARPO's code bounds it only by the token budget).
 """

@@ -7,8 +7,8 @@ Per prompt (a *group*, budget M = ``n``), one call of :meth:`ARPORollout.agenera
 1. start ``initial_rollouts`` (N) root trajectories from the prompt;
 2. send ALL active trajectories to the engine at once (the engine's continuous batching and prefix cache do
    the rest), each generating until a tool's close tag (a stop string), EOS, or the response length limit.
-   ``schedule: async`` (default) runs each trajectory as its own task — generate, tool, generate … — and a
-   fork or fill starts the moment it exists; ``schedule: rounds`` steps all active trajectories together
+   ``schedule.mode: async`` (default) runs each trajectory as its own task — generate, tool, generate … — and a
+   fork or fill starts the moment it exists; ``schedule.mode: rounds`` steps all active trajectories together
    (one round = one request each, then all tool calls), the released code's loop;
 3. parse the trailing tool call (:func:`arpo.protocol.parse_trailing_tool_call`), run all calls of the round
    concurrently in the tool thread pool (:class:`~arpo.rollout.tool_executor.ToolExecutor`), and append
@@ -20,30 +20,30 @@ Per prompt (a *group*, budget M = ``n``), one call of :meth:`ARPORollout.agenera
    slot by the group's :class:`~arpo.rollout.branching.GroupBudget` — a group never exceeds M. A fork copies
    its parent's tokens, masks, tool-call records and H_initial, and records ``branch_pos`` (shared response
    tokens) and its parent, so the trainer sees the trajectory tree;
-5. a group that ends short of M is filled: with fresh roots from the prompt (``fill: fresh``, default;
+5. a group that ends short of M is filled: with fresh roots from the prompt (``schedule.fill: fresh``, default;
    they call tools like any root but never branch), or with copies of the group's last trajectory
-   (``fill: duplicate``, released-code compatibility only — duplicates bias GRPO's group mean and std).
+   (``schedule.fill: duplicate``, released-code compatibility only — duplicates bias GRPO's group mean and std).
    Fresh fills start as soon as the budget left exceeds the most that branching could still take, instead
    of after the group finishes: the same decisions, fewer rounds. That most is a look-ahead, not a worst
    case: every future decision's draws are known in advance (see Determinism), and entropies lie in a known
    range, so a candidate whose draw no reachable ΔH would fork is not counted
-   (:mod:`arpo.rollout.branch_slots`). ``speculative_fill: K`` goes further and starts up to K fills per
+   (:mod:`arpo.rollout.branch_slots`). ``schedule.speculative_fill: K`` goes further and starts up to K fills per
    group with the initial rollouts, outside the budget: each is confirmed when the group turns out to need
    it and dropped (its tokens wasted, counted in ``rollout/tokens/discarded``) when branching takes its slot.
    Which fills survive depends only on how many are needed, never on their content, so the kept ones are
-   unbiased fresh samples; the trade is extra compute for less latency. ``speculative_fill_probability: p``
+   unbiased fresh samples; the trade is extra compute for less latency. ``schedule.fill_probability: p``
    (fill prediction) starts such a fill when it is needed with probability at least p, from the draws of
    the decisions still to come and how often trajectories have made their next tool call so far (this
    call's segments, the last call's rates as prior; :meth:`~arpo.rollout.branch_slots.GroupSlots.fill_need`):
    what the look-ahead cannot know is whether a trajectory will call a tool again, so without it the fills
    a group needs mostly start when its last branching trajectory ends, and run late, alone.
 
-Logprobs. Entropy uses the top-k logprobs of a segment's first ``entropy_window`` tokens, requested so that
+Logprobs. Entropy uses the top-k logprobs of a segment's first ``entropy.window`` tokens, requested so that
 vLLM does not detokenise their candidates (:mod:`arpo.rollout.segments`).
 
-Entropy timing. ``timing: code`` takes H_now from the first ``entropy_window`` tokens of the segment that
-ends with the tool call (the released code). ``timing: paper`` appends the result, generates
-``entropy_window`` tokens (a *probe* request), measures them, then decides; forks start from the end of the
+Entropy timing. ``branching.timing: code`` takes H_now from the first ``entropy.window`` tokens of the segment that
+ends with the tool call (the released code). ``branching.timing: paper`` appends the result, generates
+``entropy.window`` tokens (a *probe* request), measures them, then decides; forks start from the end of the
 result, and the probe tokens stay in the parent as the start of its continuation (nothing is thrown away).
 
 Initial entropy is the window entropy of the first segment of each root (``initial_entropy_scope:
@@ -52,7 +52,7 @@ released code keeps it in an instance dict keyed by row index across training st
 step it compares against stale entropies of other prompts — here it is call-local state, a fork inherits
 its parent's value, and nothing survives the call.
 
-Tool call limit. A call made when the trajectory has already run ``tool_call_limit`` calls is not executed:
+Tool call limit. A call made when the trajectory has already run ``tools.call_limit`` calls is not executed:
 the rollout appends EOS (``response_mask`` 0, since the policy did not sample it) and finishes the
 trajectory with ``finish_reason`` ``tool_limit``. Malformed calls (a close tag without its open tag) get an
 error text result and count toward the limit.
@@ -61,10 +61,10 @@ Determinism. Engine requests carry seeds derived from (call seed, group, traject
 each branching decision draws from its own generator seeded by (call seed, group, trajectory, call number),
 so no draw depends on the order requests complete in. A trajectory's identity is its parent's plus (call
 number, sibling number), so the draws of decisions of forks not yet made are known too. With
-``branch_grant: ordered`` (default) budget slots also go to decisions in a fixed order (see
+``schedule.branch_grant: ordered`` (default) budget slots also go to decisions in a fixed order (see
 :class:`~arpo.rollout.branch_slots.GroupSlots`), so a deterministic engine gives the same batch for a seed
 under either schedule, whatever order requests and tool calls complete in.
-``first_come`` grants slots as decisions arrive: replayable under ``schedule: rounds`` (decisions are taken
+``first_come`` grants slots as decisions arrive: replayable under ``schedule.mode: rounds`` (decisions are taken
 in a fixed order there), timing-dependent under ``async``. A call without an explicit seed uses ``seed``
 mixed with the call count, so a fresh generator replays the same sequence of batches.
 
@@ -75,7 +75,6 @@ branching) for baselines and benchmarks; it requests logprobs only when ``return
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 import time
 import uuid
@@ -84,14 +83,14 @@ from typing import Any, Iterable, Mapping
 
 from arpo.batch import DataBatch, Trajectory, collate_trajectories
 from arpo.engine.base import GenerationEngine, SamplingParams
-from arpo.protocol import TOOL_TAGS, ToolCall, stop_strings
+from arpo.protocol import TOOL_TAGS, MalformedCall, ToolCall, stop_strings
 from arpo.rollout.branch import Branch, Phase
 from arpo.rollout.branching import derive_seed
 from arpo.rollout.config import ARPORolloutConfig
 from arpo.rollout.rollout_metrics import RolloutMetrics, summarize
 from arpo.rollout.segments import SegmentRequester
 from arpo.rollout.tool_executor import ToolExecutor
-from arpo.rollout.tree import MalformedCall, RolloutTree
+from arpo.rollout.tree import RolloutTree
 from tools.base import BaseTool
 
 __all__ = ["ARPORollout", "ARPORolloutConfig", "RolloutCall", "derive_seed"]
@@ -126,9 +125,9 @@ class ARPORollout:
             raise ValueError("pass either tools or an executor, not both")
         self._owns_executor = executor is None
         self.executor = executor or ToolExecutor(
-            tools or [], max_workers=self.config.tool_workers, timeout_s=self.config.tool_timeout_s,
-            retries=self.config.tool_retries, retry_on_empty=self.config.retry_on_empty,
-            max_result_chars=self.config.max_result_chars,
+            tools or [], max_workers=self.config.tools.workers, timeout_s=self.config.tools.timeout_s,
+            retries=self.config.tools.retries, retry_on_empty=self.config.tools.retry_on_empty,
+            max_result_chars=self.config.tools.max_result_chars,
         )
         unknown = [n for n in self.executor.tool_names if n not in TOOL_TAGS]
         if unknown:
@@ -178,7 +177,7 @@ class ARPORollout:
                 session.close()
         self.call_rate_prior = call.tree.call_rates.rates()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        batch = collate_trajectories(trajectories, pad, group_uids, group_fields, cfg.max_response_length)
+        batch = collate_trajectories(trajectories, pad, group_uids, group_fields, cfg.sampling.max_response_length)
         batch.meta["metrics"] = call.metrics()
         batch.meta["seed"] = seed
         return batch
@@ -210,7 +209,7 @@ class ARPORollout:
         fields = {k: list(v) for k, v in prompts.non_tensors.items() if k not in ("raw_prompt_ids", "uid")}
         uids = list(prompts.non_tensors["uid"]) if "uid" in prompts.non_tensors else None
         overrides = prompts.meta.get("rollout_overrides") or {}
-        cfg = dataclasses.replace(self.config, **overrides) if overrides else None
+        cfg = self.config.updated(overrides) if overrides else None
         return self.generate(ids, group_uids=uids, group_fields=fields, seed=prompts.meta.get("seed"), config=cfg)
 
     def close(self) -> None:
@@ -237,21 +236,22 @@ class RolloutCall:
         every_token = cfg.return_entropy or cfg.calculate_log_probs  # else logprobs on entropy windows only
         want_logprobs = cfg.mode == "arpo" or every_token
         params = SamplingParams(
-            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-            repetition_penalty=cfg.repetition_penalty,
-            stop=tuple(stop_strings(tool_names) + list(cfg.extra_stop)), stop_token_ids=tuple(cfg.stop_token_ids),
-            logprobs=cfg.topk_logprobs if want_logprobs else None,
+            temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
+            repetition_penalty=cfg.sampling.repetition_penalty,
+            stop=tuple(stop_strings(tool_names) + list(cfg.sampling.extra_stop)),
+            stop_token_ids=tuple(cfg.sampling.stop_token_ids),
+            logprobs=cfg.entropy.topk_logprobs if want_logprobs else None,
         )
         engines = list(engine) if isinstance(engine, Sequence) else [engine] * len(prompts)  # one per group
         if len(engines) != len(prompts):
             raise ValueError(f"{len(engines)} engines for {len(prompts)} prompt groups")
         self.segments = SegmentRequester(
             engines, tokenizer, params, seed=seed, nonce=uuid.uuid4().hex[:8],  # request ids only
-            group_ids=group_ids, window=cfg.entropy_window, max_response_length=cfg.max_response_length,
+            group_ids=group_ids, window=cfg.entropy.window, max_response_length=cfg.sampling.max_response_length,
             window_logprobs_only=want_logprobs and not every_token, metrics=self.m)
         self.tree = RolloutTree(cfg, tokenizer, prompts, seed, tool_names, call_rate_prior or {}, self.m,
                                 self.segments.cut_at_stop, group_ids)
-        #: set once the group's initial entropy is known (``initial_entropy_scope: group``)
+        #: set once the group's initial entropy is known (``entropy.initial_scope: group``)
         self.h0_settled = [asyncio.Event() for _ in prompts]
         #: schedule async: one task per branch that has started, by tid
         self.tasks: dict[int, asyncio.Task] = {}
@@ -268,7 +268,7 @@ class RolloutCall:
         self.tree.progress = progress
         self.tree.start()
         try:
-            if self.cfg.schedule == "rounds":
+            if self.cfg.schedule.mode == "rounds":
                 await self._run_rounds()
             else:
                 await self._run_async()
@@ -278,11 +278,11 @@ class RolloutCall:
         return self.tree.trajectories()
 
     def _settle(self, groups: Iterable[int]) -> None:
-        for g in self.tree.settle_initial_entropy(groups):
+        for g in self.tree.h0.settle(groups, self.tree.by_group):
             self.h0_settled[g].set()
 
     async def _run_rounds(self) -> None:
-        """``schedule: rounds``: every round sends all active branches at once and waits for all of them,
+        """``schedule.mode: rounds``: every round sends all active branches at once and waits for all of them,
         then runs all tool calls of the round at once. Decisions happen in a fixed order, so a deterministic
         engine gives identical batches whatever order requests complete in (exact replay)."""
         tree, active, rounds = self.tree, list(self.tree.branches), 0
@@ -311,9 +311,9 @@ class RolloutCall:
         self.m.count["rounds"] = rounds
 
     async def _run_async(self) -> None:
-        """``schedule: async``: one task per branch (generate, tool, generate, ...); forks and fills start
+        """``schedule.mode: async``: one task per branch (generate, tool, generate, ...); forks and fills start
         their own task the moment they exist. No branch waits for another's request or tool call (except
-        for the group's initial entropy under ``initial_entropy_scope: group``), so there are no round
+        for the group's initial entropy under ``entropy.initial_scope: group``), so there are no round
         barriers and a group's late fills overlap other groups' work."""
         for g in range(self.n_groups):
             self._start_tasks(g)
@@ -329,7 +329,7 @@ class RolloutCall:
             raise
 
     async def _drive(self, b: Branch) -> None:
-        """One branch's life under ``schedule: async``: the steps of one round, for one branch."""
+        """One branch's life under ``schedule.mode: async``: the steps of one round, for one branch."""
         tree = self.tree
         while b.phase is not Phase.DONE:
             out = await self.segments.request(b)
@@ -339,7 +339,7 @@ class RolloutCall:
                 tree.decide_after_probe(b)
             call = tree.classify(b, out, finish, stop_reason)
             if call is not None:
-                if tree.needs_group_h0(b):
+                if b.may_fork and self.cfg.branching_enabled and tree.h0.pending(b):  # its decision needs H_initial
                     await self.h0_settled[b.group].wait()
                 await self._run_tools([(b, call)])
             tree.top_up([b.group])
@@ -377,4 +377,4 @@ class RolloutCall:
             self.tree.append_tool_result(b, call, by_tid.get(b.tid))
 
     def metrics(self) -> dict[str, float]:
-        return summarize(self.m, self.tree.branches, self.tree.slots, self.cfg.schedule)
+        return summarize(self.m, self.tree.branches, self.tree.slots, self.cfg.schedule.mode)

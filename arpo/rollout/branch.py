@@ -8,11 +8,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from arpo.batch import Trajectory
+
 
 class Phase(str, Enum):
     """Where a branch stands between engine requests (verl's tool agent loop names its states the same way).
 
-    ``GENERATE`` → (tool close tag) ``TOOL`` → (result appended) ``GENERATE``, or with ``timing: paper``
+    ``GENERATE`` → (tool close tag) ``TOOL`` → (result appended) ``GENERATE``, or with ``branching.timing: paper``
     ``PROBE`` (the next request is the entropy probe; the branching decision follows it) → ``GENERATE``;
     EOS, the length limit, the tool-call limit or an abort → ``DONE``."""
 
@@ -83,3 +85,15 @@ class Branch:
     def may_fork(self) -> bool:
         """It may fork after its tool results (fills and the probe never do)."""
         return self.kind not in ("fill", "monitor")
+
+    def trajectory(self, parent_row: int, with_entropy: bool, with_log_probs: bool) -> Trajectory:
+        """This branch as a row of the batch (``parent_row``: its parent's row, -1 for a root)."""
+        return Trajectory(
+            group=self.group, prompt_ids=list(self.prompt_ids), response_ids=self.response_ids,
+            response_mask=self.response_mask, parent=parent_row, branch_pos=self.branch_pos,
+            token_entropy=self.token_entropy if with_entropy else None,
+            rollout_log_probs=self.rollout_log_probs if with_log_probs else None,
+            tool_calls=self.tool_calls, finish_reason=self.finish_reason,
+            extra={"num_tool_calls": self.n_calls, "rollout_kind": self.kind, "tree_index": self.tree,
+                   "initial_entropy": math.nan if self.h_initial is None else self.h_initial},
+        )

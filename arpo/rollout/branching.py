@@ -46,7 +46,7 @@ Policies (``policy``):
   ``1 − p + w·ΔH``, ARPO's ``p + w·ΔH`` at the default p = 0.5) or ``(α + β·ΔH)·f > τ`` (rule ``paper``). The
   released code keeps ``c`` per prompt group and counts rounds in which the group gained a trajectory, which
   depends on completion order; here it follows the path (the paper's wording), from draws only, so the batch
-  is the same under every schedule. AEPO's entropy pre-monitoring (``aepo_pre_monitoring``, off in both
+  is the same under every schedule. AEPO's entropy pre-monitoring (``aepo.pre_monitoring``, off in both
   released scripts) splits M between roots and branches per prompt: see :func:`aepo_initial_rollouts`.
 """
 
@@ -234,6 +234,44 @@ def could_branch(cfg: BranchingConfig, delta_lo: float, delta_hi: float, rng: ra
     u = rng.random() if cfg.rule == "code" else 0.0
     dampings = (1.0, 0.0) if cfg.policy == "aepo" else (1.0,)
     return any(_branches(cfg, dh, u, f) for dh in (delta_lo, delta_hi) for f in dampings)
+
+
+class InitialEntropy:
+    """H_initial, what ΔH compares against, for one rollout call (reset every call; forks inherit their parent's):
+    a root's own first window (scope ``trajectory``, the released code's) or, scope ``group``, the mean of the
+    first windows of the group's initial roots once every one of them is back (none has one: no fork)."""
+
+    def __init__(self, scope: str, n_groups: int):
+        self.by_group = scope == "group"
+        self.mean: list[float | None] = [None] * n_groups
+        self.settled = [False] * n_groups
+
+    def of_new_root(self, group: int) -> float | None:
+        return self.mean[group] if self.by_group else None
+
+    def root_measured(self, b: Any, h: float) -> None:
+        b.own_h0 = h
+        if not self.by_group:
+            b.h_initial = h
+
+    def settle(self, groups: Any, branches_by_group: list[list[Any]]) -> list[int]:
+        """Scope ``group``: set H_initial in every group whose initial roots are all back; returns those groups."""
+        settled = []
+        for g in groups if self.by_group else ():
+            roots = [b for b in branches_by_group[g] if b.kind == "initial"]
+            if self.settled[g] or not roots or not all(b.started for b in roots):
+                continue
+            hs = [b.own_h0 for b in roots if b.own_h0 is not None]
+            self.mean[g] = sum(hs) / len(hs) if hs else None
+            for b in branches_by_group[g]:
+                b.h_initial = self.mean[g]
+            self.settled[g] = True
+            settled.append(g)
+        return settled
+
+    def pending(self, b: Any) -> bool:
+        """Scope ``group``: ``b``'s H_initial is still to come."""
+        return self.by_group and b.h_initial is None and not self.settled[b.group]
 
 
 class GroupBudget:

@@ -1,19 +1,186 @@
 """``actor_rollout_ref.rollout.arpo.*``: the rollout's typed config, validated once at start-up (every key is
-documented in ``configs/rollout/arpo.yaml``)."""
+documented in ``configs/rollout/arpo.yaml``).
+
+The section has a few top-level keys (mode, policy, budget) and one sub-section per concern, each a dataclass
+below: ``branching`` (ARPO's fork rule), ``entropy`` (its measurement), ``aepo`` and ``tree_grpo`` (those
+policies' own keys), ``schedule`` (fills and who gets contended slots), ``sampling`` and ``tools``. Keys may be
+given nested, as in the YAML, or dotted (``branching.timing``), as on the command line."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from arpo.rollout.branch_slots import GRANTS
-from arpo.rollout.branching import BranchingConfig
+from arpo.rollout.branching import (INITIAL_ENTROPY_SCOPES, POLICIES, REDUCTIONS, RULES, TIMINGS,
+                                    BranchingConfig)
 
 CONFIG_PREFIX = "actor_rollout_ref.rollout.arpo"
 MODES = ("arpo", "single")
 FILLS = ("fresh", "released", "duplicate")
 SCHEDULES = ("async", "rounds")
+
+
+class _Checker:
+    """Collects nothing: raises the first failed check as one line naming the full key and the fix."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+
+    def __call__(self, ok: bool, key: str, value: Any, fix: str) -> None:
+        if not ok:
+            raise ValueError(f"{self.prefix}.{key}={value!r}: {fix}")
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int(v: Any, lo: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+@dataclass
+class BranchRuleConfig:
+    """``branching``: when a trajectory forks after a tool result (policies arpo and aepo)."""
+
+    rule: str = "code"
+    timing: str = "code"
+    beam_size: int = 2
+    branch_probability: float = 0.5
+    entropy_weight: float = 0.2
+    paper_alpha: float = 0.5
+    paper_beta: float = 0.2
+    paper_tau: float = 0.5
+
+    def validate(self, need: _Checker) -> None:
+        need(self.rule in RULES, "rule", self.rule, f"use one of {RULES}")
+        need(self.timing in TIMINGS, "timing", self.timing, f"use one of {TIMINGS}")
+        need(_int(self.beam_size, 1), "beam_size", self.beam_size, "use an integer >= 1 (1 disables branching)")
+        need(_number(self.branch_probability) and 0 <= self.branch_probability <= 1, "branch_probability",
+             self.branch_probability, "use a probability in [0, 1]")
+        for key in ("entropy_weight", "paper_alpha", "paper_beta", "paper_tau"):
+            need(_number(getattr(self, key)), key, getattr(self, key), "use a finite number")
+
+
+@dataclass
+class EntropyConfig:
+    """``entropy``: how the window entropy that branching compares is measured."""
+
+    window: int = 20
+    topk_logprobs: int = 10
+    reduction: str = "mean"
+    initial_scope: str = "trajectory"
+    vocab_size: int | None = None
+
+    def validate(self, need: _Checker) -> None:
+        need(_int(self.window, 1), "window", self.window, "use an integer >= 1 (tokens measured; ARPO uses 20)")
+        need(_int(self.topk_logprobs, 1), "topk_logprobs", self.topk_logprobs, "use an integer >= 1 (ARPO uses 10)")
+        need(self.reduction in REDUCTIONS, "reduction", self.reduction, f"use one of {REDUCTIONS}")
+        need(self.initial_scope in INITIAL_ENTROPY_SCOPES, "initial_scope", self.initial_scope,
+             f"use one of {INITIAL_ENTROPY_SCOPES}")
+        need(self.vocab_size is None or _int(self.vocab_size, 2), "vocab_size", self.vocab_size,
+             "leave null (tokenizer length) or give an integer >= 2")
+
+
+@dataclass
+class AepoConfig:
+    """``aepo``: AEPO's keys (policy aepo; its fork rule is ``branching``'s, damped)."""
+
+    penalty: float = 0.05
+    pre_monitoring: bool = False
+    beta: float = 0.5
+
+    def validate(self, need: _Checker) -> None:
+        need(_number(self.penalty) and self.penalty >= 0, "penalty", self.penalty,
+             "use a number >= 0 (AEPO's released code: 0.05)")
+        need(isinstance(self.pre_monitoring, bool), "pre_monitoring", self.pre_monitoring, "use true or false")
+        need(_number(self.beta) and self.beta > 0, "beta", self.beta, "use a number > 0 (AEPO's released code: 0.5)")
+
+
+@dataclass
+class TreeGrpoConfig:
+    """``tree_grpo``: Tree-GRPO's keys (policy tree_grpo)."""
+
+    expansions: int = 2
+
+    def validate(self, need: _Checker) -> None:
+        need(_int(self.expansions, 1), "expansions", self.expansions,
+             "use an integer >= 1 (Tree-GRPO's N; its scripts: 2)")
+
+
+@dataclass
+class ScheduleConfig:
+    """``schedule``: the order work runs in and how groups short of M are filled (never what a seed's batch
+    holds, except ``fill``)."""
+
+    mode: str = "async"
+    branch_grant: str = "ordered"
+    fill: str = "fresh"
+    speculative_fill: int = 0
+    fill_probability: float | None = 0.35
+
+    def validate(self, need: _Checker) -> None:
+        need(self.mode in SCHEDULES, "mode", self.mode, f"use one of {SCHEDULES}")
+        need(self.branch_grant in GRANTS, "branch_grant", self.branch_grant, f"use one of {GRANTS}")
+        need(self.fill in FILLS, "fill", self.fill, f"use one of {FILLS}")
+        need(_int(self.speculative_fill, 0), "speculative_fill", self.speculative_fill,
+             "use an integer >= 0 (0: off)")
+        need(self.speculative_fill == 0 or self.fill == "fresh", "speculative_fill", self.speculative_fill,
+             "needs schedule.fill=fresh (duplicates cannot be speculated)")
+        p = self.fill_probability
+        need(p is None or (_number(p) and 0 < p <= 1), "fill_probability", p,
+             "give a probability in (0, 1], or null (off)")
+
+
+@dataclass
+class SamplingConfig:
+    """``sampling``: the engine's sampling parameters and the response length."""
+
+    max_response_length: int = 4096
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    repetition_penalty: float = 1.0
+    extra_stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def validate(self, need: _Checker) -> None:
+        need(_int(self.max_response_length, 1), "max_response_length", self.max_response_length,
+             "use an integer >= 1")
+        need(_number(self.temperature) and self.temperature >= 0, "temperature", self.temperature, "use a number >= 0")
+        need(_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "use a number in (0, 1]")
+        need(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1), "top_k", self.top_k,
+             "use -1 (off) or an integer >= 1")
+        need(_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+             self.repetition_penalty, "use a number > 0 (1.0: off)")
+
+
+@dataclass
+class ToolsConfig:
+    """``tools``: how tool calls run (one executor for every rollout mode, so identical result tokens)."""
+
+    call_limit: int = 3
+    workers: int = 64
+    timeout_s: float = 120.0
+    retries: int = 3
+    retry_on_empty: bool = True
+    max_result_chars: int | None = None
+
+    def validate(self, need: _Checker) -> None:
+        need(_int(self.call_limit, 0), "call_limit", self.call_limit, "use an integer >= 0")
+        need(_int(self.workers, 1), "workers", self.workers, "use an integer >= 1")
+        need(_number(self.timeout_s) and self.timeout_s > 0, "timeout_s", self.timeout_s, "use a number > 0")
+        need(_int(self.retries, 0), "retries", self.retries, "use an integer >= 0")
+        need(self.max_result_chars is None or _int(self.max_result_chars, 1), "max_result_chars",
+             self.max_result_chars, "leave null (no limit) or give an integer >= 1")
+
+
+SECTIONS: dict[str, type] = {"branching": BranchRuleConfig, "entropy": EntropyConfig, "aepo": AepoConfig,
+                             "tree_grpo": TreeGrpoConfig, "schedule": ScheduleConfig, "sampling": SamplingConfig,
+                             "tools": ToolsConfig}
 
 
 @dataclass
@@ -22,126 +189,72 @@ class ARPORolloutConfig:
 
     mode: str = "arpo"
     policy: str = "arpo"
-    aepo_penalty: float = 0.05
-    aepo_pre_monitoring: bool = False
-    aepo_beta: float = 0.5
-    tree_expansions: int = 2
-    schedule: str = "async"
-    branch_grant: str = "ordered"
     n: int = 16
     initial_rollouts: int = 8
-    beam_size: int = 2
-    branch_probability: float = 0.5
-    entropy_weight: float = 0.2
-    rule: str = "code"
-    timing: str = "code"
-    paper_alpha: float = 0.5
-    paper_beta: float = 0.2
-    paper_tau: float = 0.5
-    entropy_window: int = 20
-    topk_logprobs: int = 10
-    entropy_reduction: str = "mean"
-    initial_entropy_scope: str = "trajectory"
-    vocab_size: int | None = None
-    tool_call_limit: int = 3
-    max_response_length: int = 4096
-    fill: str = "fresh"
-    speculative_fill: int = 0
-    speculative_fill_probability: float | None = 0.35
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    repetition_penalty: float = 1.0
-    extra_stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
     seed: int = 0
     return_entropy: bool = False
     calculate_log_probs: bool = False
-    tool_workers: int = 64
-    tool_timeout_s: float = 120.0
-    tool_retries: int = 3
-    retry_on_empty: bool = True
-    max_result_chars: int | None = None
     show_progress: bool = False
+    branching: BranchRuleConfig = field(default_factory=BranchRuleConfig)
+    entropy: EntropyConfig = field(default_factory=EntropyConfig)
+    aepo: AepoConfig = field(default_factory=AepoConfig)
+    tree_grpo: TreeGrpoConfig = field(default_factory=TreeGrpoConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any] | None) -> "ARPORolloutConfig":
-        """Build from a dict or OmegaConf node; an unknown key is an error naming it."""
-        if cfg is None:
-            return cls().validate()
-        if hasattr(cfg, "items") and not isinstance(cfg, dict):
-            try:
-                from omegaconf import OmegaConf
+        """Build from a dict or OmegaConf node, nested or with dotted keys; an unknown key is an error naming it
+        and the known ones."""
+        return cls._build(_nest(_plain(cfg or {})))
 
-                cfg = OmegaConf.to_container(cfg, resolve=True)
-            except (ImportError, ValueError):
-                cfg = dict(cfg)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(cfg) - known)
-        if unknown:
-            raise ValueError(f"{CONFIG_PREFIX}: unknown key(s) {unknown}; known keys: {sorted(known)}")
-        return cls(**cfg).validate()
+    def updated(self, values: Mapping[str, Any]) -> "ARPORolloutConfig":
+        """A validated copy with ``values`` (nested or dotted keys) replacing this config's."""
+        return self._build(_nest(dataclasses.asdict(self), _plain(values)))
+
+    @classmethod
+    def _build(cls, values: dict[str, Any]) -> "ARPORolloutConfig":
+        _reject_unknown(values, {f.name for f in dataclasses.fields(cls)}, CONFIG_PREFIX)
+        sections = {}
+        for name, section in SECTIONS.items():
+            given = values.pop(name, None) or {}
+            if not isinstance(given, Mapping):
+                if RENAMED.get(name):
+                    raise ValueError(f"{CONFIG_PREFIX}.{name}={given!r}: {name} is now a section; the value goes to "
+                                     f"{CONFIG_PREFIX}.{RENAMED[name]}")
+                raise ValueError(f"{CONFIG_PREFIX}.{name}={given!r}: give a mapping of its keys "
+                                 f"{sorted(f.name for f in dataclasses.fields(section))}")
+            _reject_unknown(given, {f.name for f in dataclasses.fields(section)}, f"{CONFIG_PREFIX}.{name}")
+            sections[name] = section(**given)
+        return cls(**values, **sections).validate()
 
     def validate(self) -> "ARPORolloutConfig":
-        p = CONFIG_PREFIX
-
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ValueError(msg)
-
-        need(self.mode in MODES, f"{p}.mode={self.mode!r}: use one of {MODES}")
-        need(self.schedule in SCHEDULES, f"{p}.schedule={self.schedule!r}: use one of {SCHEDULES}")
-        need(self.branch_grant in GRANTS, f"{p}.branch_grant={self.branch_grant!r}: use one of {GRANTS}")
-        need(isinstance(self.n, int) and self.n >= 1, f"{p}.n={self.n!r}: the per-prompt budget M must be >= 1")
-        need(isinstance(self.initial_rollouts, int) and self.initial_rollouts >= 1,
-             f"{p}.initial_rollouts={self.initial_rollouts!r}: must be >= 1")
-        need(self.mode == "single" or self.initial_rollouts <= self.n,
-             f"{p}.initial_rollouts ({self.initial_rollouts}) > {p}.n ({self.n}): the initial rollouts N cannot "
-             f"exceed the budget M; lower initial_rollouts or raise n (ARPO uses N = M/2)")
-        need(self.fill in FILLS, f"{p}.fill={self.fill!r}: use one of {FILLS}")
-        need(isinstance(self.tree_expansions, int) and self.tree_expansions >= 1,
-             f"{p}.tree_expansions={self.tree_expansions!r}: must be an integer >= 1 (Tree-GRPO's N; its scripts: 2)")
+        need = _Checker(CONFIG_PREFIX)
+        need(self.mode in MODES, "mode", self.mode, f"use one of {MODES}")
+        need(self.policy in POLICIES, "policy", self.policy, f"use one of {POLICIES}")
+        need(_int(self.n, 1), "n", self.n, "the per-prompt budget M must be an integer >= 1")
+        need(_int(self.initial_rollouts, 1), "initial_rollouts", self.initial_rollouts, "use an integer >= 1")
+        need(self.mode == "single" or self.initial_rollouts <= self.n, "initial_rollouts", self.initial_rollouts,
+             f"the initial rollouts N cannot exceed the budget M ({CONFIG_PREFIX}.n={self.n}); lower "
+             f"initial_rollouts or raise n (ARPO uses N = M/2)")
         need(self.mode == "single" or self.policy != "tree_grpo" or self.n % self.initial_rollouts == 0,
-             f"{p}.n ({self.n}) is not a multiple of {p}.initial_rollouts ({self.initial_rollouts}): policy "
-             f"tree_grpo grows initial_rollouts trees of n / initial_rollouts trajectories each")
-        need(isinstance(self.aepo_pre_monitoring, bool) and (not self.aepo_pre_monitoring or self.policy == "aepo"),
-             f"{p}.aepo_pre_monitoring={self.aepo_pre_monitoring!r}: true only with {p}.policy=aepo (else false)")
-        need(isinstance(self.aepo_beta, (int, float)) and 0 < self.aepo_beta < float("inf"),
-             f"{p}.aepo_beta={self.aepo_beta!r}: must be a number > 0 (AEPO's released code: 0.5)")
-        need(isinstance(self.speculative_fill, int) and self.speculative_fill >= 0,
-             f"{p}.speculative_fill={self.speculative_fill!r}: must be an integer >= 0 (0: off)")
-        need(self.speculative_fill == 0 or self.fill == "fresh",
-             f"{p}.speculative_fill={self.speculative_fill} needs {p}.fill=fresh (duplicates cannot be speculated)")
-        sfp = self.speculative_fill_probability
-        need(sfp is None or (isinstance(sfp, (int, float)) and 0 < sfp <= 1),
-             f"{p}.speculative_fill_probability={sfp!r}: give a probability in (0, 1], or null (off)")
-        need(isinstance(self.tool_call_limit, int) and self.tool_call_limit >= 0,
-             f"{p}.tool_call_limit={self.tool_call_limit!r}: must be an integer >= 0")
-        need(isinstance(self.max_response_length, int) and self.max_response_length >= 1,
-             f"{p}.max_response_length={self.max_response_length!r}: must be an integer >= 1")
-        need(self.vocab_size is None or self.vocab_size >= 2,
-             f"{p}.vocab_size={self.vocab_size!r}: leave null (tokenizer length) or give an integer >= 2")
-        need(self.temperature >= 0, f"{p}.temperature={self.temperature!r}: must be >= 0")
-        need(0 < self.top_p <= 1, f"{p}.top_p={self.top_p!r}: must be in (0, 1]")
-        need(self.tool_workers >= 1, f"{p}.tool_workers={self.tool_workers!r}: must be >= 1")
-        need(self.tool_timeout_s > 0, f"{p}.tool_timeout_s={self.tool_timeout_s!r}: must be > 0")
-        need(self.tool_retries >= 0, f"{p}.tool_retries={self.tool_retries!r}: must be >= 0")
-        need(self.max_result_chars is None or self.max_result_chars >= 1,
-             f"{p}.max_result_chars={self.max_result_chars!r}: leave null (no limit) or give an integer >= 1")
-        try:
-            self.branching()
-        except ValueError as exc:
-            raise ValueError(str(exc).replace("branching config: ", f"{p}.").replace("window=", "entropy_window="))
+             "n", self.n, f"policy tree_grpo grows initial_rollouts ({self.initial_rollouts}) trees of "
+                          f"n / initial_rollouts trajectories each: use a multiple of initial_rollouts")
+        for name in SECTIONS:
+            getattr(self, name).validate(_Checker(f"{CONFIG_PREFIX}.{name}"))
+        need(not self.aepo.pre_monitoring or self.policy == "aepo", "aepo.pre_monitoring", True,
+             f"true only with {CONFIG_PREFIX}.policy=aepo (else false)")
         return self
 
-    def branching(self) -> BranchingConfig:
-        """The branching decision's parameters (validated)."""
+    def decision(self) -> BranchingConfig:
+        """The branching decision's parameters (the ``branching``, ``entropy`` and AEPO keys it reads)."""
+        b, e = self.branching, self.entropy
         return BranchingConfig(
-            policy=self.policy, aepo_penalty=self.aepo_penalty, rule=self.rule, timing=self.timing, beam_size=self.beam_size,
-            branch_probability=self.branch_probability, entropy_weight=self.entropy_weight,
-            paper_alpha=self.paper_alpha, paper_beta=self.paper_beta, paper_tau=self.paper_tau,
-            window=self.entropy_window, topk_logprobs=self.topk_logprobs,
-            entropy_reduction=self.entropy_reduction, initial_entropy_scope=self.initial_entropy_scope,
+            policy=self.policy, aepo_penalty=self.aepo.penalty, rule=b.rule, timing=b.timing,
+            beam_size=b.beam_size, branch_probability=b.branch_probability, entropy_weight=b.entropy_weight,
+            paper_alpha=b.paper_alpha, paper_beta=b.paper_beta, paper_tau=b.paper_tau, window=e.window,
+            topk_logprobs=e.topk_logprobs, entropy_reduction=e.reduction, initial_entropy_scope=e.initial_scope,
         ).validate()
 
     @property
@@ -151,9 +264,65 @@ class ARPORolloutConfig:
     @property
     def branching_enabled(self) -> bool:
         """Entropy-driven forks after tool results (ARPO, AEPO); Tree-GRPO expands its trees instead."""
-        return self.mode == "arpo" and self.beam_size > 1 and self.policy != "tree_grpo"
+        return self.mode == "arpo" and self.branching.beam_size > 1 and self.policy != "tree_grpo"
 
     @property
     def pre_monitoring(self) -> bool:
         """AEPO's entropy pre-monitoring sets each group's number of roots from a probe trajectory."""
-        return self.mode == "arpo" and self.policy == "aepo" and self.aepo_pre_monitoring
+        return self.mode == "arpo" and self.policy == "aepo" and self.aepo.pre_monitoring
+
+
+#: keys of the flat section before the sub-sections (2026-11): a config written for it gets the new name
+RENAMED = {
+    "aepo_penalty": "aepo.penalty", "aepo_pre_monitoring": "aepo.pre_monitoring", "aepo_beta": "aepo.beta",
+    "tree_expansions": "tree_grpo.expansions", "schedule": "schedule.mode", "branch_grant": "schedule.branch_grant",
+    "fill": "schedule.fill", "speculative_fill": "schedule.speculative_fill",
+    "speculative_fill_probability": "schedule.fill_probability", "entropy_window": "entropy.window",
+    "topk_logprobs": "entropy.topk_logprobs", "entropy_reduction": "entropy.reduction",
+    "initial_entropy_scope": "entropy.initial_scope", "vocab_size": "entropy.vocab_size",
+    "tool_call_limit": "tools.call_limit", "tool_workers": "tools.workers", "tool_timeout_s": "tools.timeout_s",
+    "tool_retries": "tools.retries", "retry_on_empty": "tools.retry_on_empty",
+    "max_result_chars": "tools.max_result_chars",
+    **{k: f"branching.{k}" for k in ("rule", "timing", "beam_size", "branch_probability", "entropy_weight",
+                                     "paper_alpha", "paper_beta", "paper_tau")},
+    **{k: f"sampling.{k}" for k in ("max_response_length", "temperature", "top_p", "top_k", "repetition_penalty",
+                                    "extra_stop", "stop_token_ids")},
+}
+
+
+def _plain(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    if hasattr(cfg, "items") and not isinstance(cfg, dict):  # an OmegaConf node
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(cfg, resolve=True)
+    return cfg
+
+
+def _nest(*cfgs: Mapping[str, Any]) -> dict[str, Any]:
+    """Dotted keys (``branching.timing``) into nested dicts; later mappings win, key by key within a section."""
+    out: dict[str, Any] = {}
+    for cfg in cfgs:
+        for key, value in cfg.items():
+            *parents, leaf = str(key).split(".")
+            node = out
+            for p in parents:
+                node = node.setdefault(p, {})
+                if not isinstance(node, dict):
+                    raise ValueError(f"{CONFIG_PREFIX}.{p}: a section, but a value was given for it")
+            if isinstance(value, Mapping) and isinstance(node.get(leaf), dict):
+                node[leaf].update(_nest(value))
+            else:
+                node[leaf] = _nest(value) if isinstance(value, Mapping) else value
+    return out
+
+
+def _reject_unknown(values: Mapping[str, Any], known: set[str], prefix: str) -> None:
+    unknown = sorted(set(values) - known)
+    if not unknown:
+        return
+    key = unknown[0]
+    moved = RENAMED.get(key) if prefix == CONFIG_PREFIX else None
+    if moved:
+        raise ValueError(f"{prefix}.{key}: renamed to {prefix}.{moved} (the section has one sub-section per "
+                         f"concern, configs/rollout/arpo.yaml)")
+    raise ValueError(f"{prefix}: unknown key(s) {unknown}; known keys: {sorted(known)}")

@@ -56,28 +56,28 @@ class Arpo(Sampling):
 
     def start_roots(self, tree: "RolloutTree", g: int, n: int) -> None:
         super().start_roots(tree, g, n)
-        if self.cfg.fill == "fresh":
-            for _ in range(min(self.cfg.speculative_fill, tree.budgets[g].remaining)):
+        if self.cfg.schedule.fill == "fresh":
+            for _ in range(min(self.cfg.schedule.speculative_fill, tree.budgets[g].remaining)):
                 tree.new_root(g, "fill").speculative = True
 
     def top_up(self, tree: "RolloutTree", g: int) -> None:
         group, budget = tree.by_group[g], tree.budgets[g]
         if budget.remaining == 0 and not any(b.speculative for b in group):
             return
-        if self.cfg.fill == "fresh":
+        if self.cfg.schedule.fill == "fresh":
             self._fill_fresh(tree, g)
             return
         idle = not any(b.phase is not Phase.DONE and not b.speculative for b in group) and not tree.slots[g].pending
         if not idle:
             return
-        if self.cfg.fill == "released":  # one late root at a time, which branches like the first ones
+        if self.cfg.schedule.fill == "released":  # one late root at a time, which branches like the first ones
             budget.reserve(1)
             tree.new_root(g, "initial")
             return
         granted = budget.reserve(budget.remaining)
         last = max((b for b in group if b.in_batch), key=lambda b: canonical(b.key))
         for _ in range(granted):
-            dup = tree.fork(last, len(last.response_ids), self.cfg.tool_call_limit + 1, kind="duplicate")
+            dup = tree.fork(last, len(last.response_ids), self.cfg.tools.call_limit + 1, kind="duplicate")
             dup.phase, dup.finish_reason = Phase.DONE, last.finish_reason
             if tree.progress is not None:
                 tree.progress.update(1)
@@ -85,7 +85,7 @@ class Arpo(Sampling):
 
     def _fill_fresh(self, tree: "RolloutTree", g: int) -> None:
         spec = [b for b in tree.by_group[g] if b.speculative]
-        plan = tree.slots[g].plan_fills(len(spec), self.cfg.speculative_fill_probability, tree.call_rates.reach(g),
+        plan = tree.slots[g].plan_fills(len(spec), self.cfg.schedule.fill_probability, tree.call_rates.reach(g),
                                         lambda b: b.phase in (Phase.TOOL, Phase.PROBE))
         for b in spec[: plan.confirm]:
             b.speculative = False
@@ -105,12 +105,12 @@ class Arpo(Sampling):
 
 class Aepo(Arpo):
     """AEPO: ARPO whose rule is damped after consecutive forks (:func:`arpo.rollout.branching.aepo_damping`)
-    and, with ``aepo_pre_monitoring``, entropy pre-monitoring: a probe trajectory per group (tools included,
+    and, with ``aepo.pre_monitoring``, entropy pre-monitoring: a probe trajectory per group (tools included,
     never a row of the batch) runs first; its entropies set the group's N
     (:func:`arpo.rollout.branching.aepo_initial_rollouts`), and the roots start once it has finished."""
 
     def start(self, tree: "RolloutTree", g: int) -> None:
-        if self.cfg.aepo_pre_monitoring:
+        if self.cfg.aepo.pre_monitoring:
             tree.new(g, "monitor", ("monitor", 0))
         else:
             super().start(tree, g)
@@ -130,7 +130,7 @@ class Aepo(Arpo):
         if probe.own_h0 is not None:
             after = probe.samples["entropy_after_tool"]
             h_tool = sum(after) / len(after) if after else probe.own_h0
-            n = aepo_initial_rollouts(self.cfg.n, probe.own_h0, h_tool, self.cfg.aepo_beta)
+            n = aepo_initial_rollouts(self.cfg.n, probe.own_h0, h_tool, self.cfg.aepo.beta)
             tree.m.values["aepo_h_root"].append(probe.own_h0)
             tree.m.values["aepo_h_tool"].append(h_tool)
         tree.m.values["aepo_initial_rollouts"].append(float(n))
@@ -139,7 +139,7 @@ class Aepo(Arpo):
 
 class TreeGrpo(Sampling):
     """Tree-GRPO (arXiv 2509.21240; released code AMAP-ML/Tree-GRPO, ``tree_node.get_expand_node``): N trees;
-    once every chain of a tree has finished, pick ``tree_expansions`` nodes of it uniformly with replacement
+    once every chain of a tree has finished, pick ``tree_grpo.expansions`` nodes of it uniformly with replacement
     from {its root} ∪ {the end of every tool result some chain continued after}, and continue each: a picked
     root is one more chain from the prompt, a picked node a fork that copies the chain up to there. Iterations
     go on until the tree holds n / initial_rollouts chains. Picks draw from a generator seeded by the tree and
@@ -157,7 +157,7 @@ class TreeGrpo(Sampling):
                 nodes += [(b, d + 1) for d, c in enumerate(b.tool_calls)
                           if c["end"] > b.branch_pos and c["end"] < len(b.response_ids)]
             rng = random.Random(derive_seed(tree.seed, tree.group_ids[g], "tree", t, len(chains)))
-            picks = rng.choices(nodes, k=min(self.cfg.tree_expansions, quota - len(chains)))
+            picks = rng.choices(nodes, k=min(self.cfg.tree_grpo.expansions, quota - len(chains)))
             tree.budgets[g].reserve(len(picks))
             for pick in picks:
                 if pick is None:

@@ -14,7 +14,7 @@ from arpo.rollout.branch_slots import GroupSlots
 
 class BusyClock:
     """Wall time during which at least one operation of a kind runs (overlapping ones are counted once), so
-    generation and tool time stay comparable with the total when both overlap (``schedule: async``)."""
+    generation and tool time stay comparable with the total when both overlap (``schedule.mode: async``)."""
 
     def __init__(self) -> None:
         self.total = 0.0

@@ -5,7 +5,7 @@ Most of what top-k logprobs cost vLLM is detokenising the k candidates of every 
 detokenisation they cost about nothing, but the engine then cannot match stop strings. So: when every stop
 string (the tools' close tags) is a single token of the vocabulary, as the ARPO tags are in the tiny model's,
 every request runs without detokenisation and stops on those token ids, with logprobs on every token — one
-request per segment. Otherwise entropy needs logprobs only on a segment's first ``entropy_window`` tokens, so
+request per segment. Otherwise entropy needs logprobs only on a segment's first ``entropy.window`` tokens, so
 a fresh segment is a window request (logprobs, no detokenisation: stop strings are found here) followed at
 once by a continuation without them, unless ``return_entropy`` wants them all; the two come back as one
 output whose ``logprobs`` cover the window only. A stop string the engine could not see (split between two

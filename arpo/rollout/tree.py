@@ -13,27 +13,19 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from arpo.batch import Trajectory
 from arpo.engine.base import GenerationOutput, sampled_log_probs
-from arpo.protocol import TOOL_TAGS, ToolCall, format_tool_result, parse_trailing_tool_call
+from arpo.protocol import TOOL_TAGS, MalformedCall, ToolCall, format_tool_result, parse_trailing_tool_call
 from arpo.rollout.branch import Branch, Phase
 from arpo.rollout.branch_slots import CallRates, ForkLookahead, GroupSlots, canonical
-from arpo.rollout.branching import GroupBudget, aepo_damping, should_branch, token_entropy
+from arpo.rollout.branching import GroupBudget, InitialEntropy, aepo_damping, should_branch, token_entropy
 from arpo.rollout.config import ARPORolloutConfig
 from arpo.rollout.policies import make_policy
 from arpo.rollout.rollout_metrics import RolloutMetrics
 
 logger = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class MalformedCall:
-    """A close tag without its open tag: no call to run; the branch gets an error text as its result."""
-
-    tool: str
-
 
 class RolloutTree:
     """Every branch of one rollout call over a batch of prompt groups, and the transitions between phases."""
@@ -41,25 +33,23 @@ class RolloutTree:
     def __init__(self, cfg: ARPORolloutConfig, tok: Any, prompts: list[list[int]], seed: int,
                  tool_names: list[str], call_rate_prior: dict[int, float], metrics: RolloutMetrics,
                  cut_at_stop: Callable[..., tuple], group_ids: list[int]):
-        self.cfg, self.bcfg, self.tok, self.prompts, self.seed = cfg, cfg.branching(), tok, prompts, seed
+        self.cfg, self.bcfg, self.tok, self.prompts, self.seed = cfg, cfg.decision(), tok, prompts, seed
         #: each group's identity in the seeds of its decisions (its row in the batch), so a group rolled out
         #: alone (one agent loop) draws exactly what it draws in the batch rollout
         self.group_ids = group_ids
         self.m, self.cut_at_stop = metrics, cut_at_stop
-        vocab_size = cfg.vocab_size or len(tok)
+        vocab_size = cfg.entropy.vocab_size or len(tok)
         self.log_v = math.log(vocab_size)
-        self.lookahead = ForkLookahead(self.bcfg, seed, cfg.n, cfg.tool_call_limit, vocab_size)
+        self.lookahead = ForkLookahead(self.bcfg, seed, cfg.n, cfg.tools.call_limit, vocab_size)
         self.close_tags = {TOOL_TAGS[n][1]: n for n in tool_names}
         self.branches: list[Branch] = []
         self.by_group: list[list[Branch]] = [[] for _ in prompts]
         self.budgets = [GroupBudget(cfg.n) for _ in prompts]
         #: who gets each group's slots, and when (ordered grants, spare slots for fills)
         self.slots = [GroupSlots(self.lookahead, self.budgets[g], group_ids[g], self.by_group[g],
-                                 self.first_decision_depth, cfg.branch_grant) for g in range(len(prompts))]
+                                 self.first_decision_depth, cfg.schedule.branch_grant) for g in range(len(prompts))]
         self.call_rates = CallRates(len(prompts), call_rate_prior)
-        #: ``initial_entropy_scope: group``: each group's mean initial entropy, once every initial root has one
-        self.group_h0: list[float | None] = [None] * len(prompts)
-        self.h0_settled = [False] * len(prompts)
+        self.h0 = InitialEntropy(cfg.entropy.initial_scope, len(prompts))
         self.policy = make_policy(cfg)
         self.progress = None
 
@@ -87,10 +77,7 @@ class RolloutTree:
         else:
             tree = tree_root.tree
             key = GroupSlots.fork_key(tree_root.key, 0, (x.key for x in self.by_group[group]))
-        b = self.new(group, kind, key, tree=tree)
-        if self.bcfg.initial_entropy_scope == "group":
-            b.h_initial = self.group_h0[group]
-        return b
+        return self.new(group, kind, key, tree=tree, h_initial=self.h0.of_new_root(group))
 
     def fork(self, parent: Branch, pos: int, depth: int, kind: str = "branch",
               records: list[dict[str, Any]] | None = None) -> Branch:
@@ -138,10 +125,8 @@ class RolloutTree:
         if first_piece and lps:
             h = self.lookahead.window_entropy(lps)
             if root_start:
-                b.own_h0 = h
+                self.h0.root_measured(b, h)
                 b.samples["entropy_initial"].append(h)
-                if self.bcfg.initial_entropy_scope == "trajectory":
-                    b.h_initial = h
             if b.seg_after_tool:
                 b.samples["entropy_after_tool"].append(h)
                 # records inherited at a fork stay as the parent left them
@@ -149,39 +134,13 @@ class RolloutTree:
                     b.tool_calls[-1]["entropy_after"] = h
         return finish, stop_reason
 
-    def settle_initial_entropy(self, groups: Iterable[int]) -> list[int]:
-        """Scope ``group``: once every initial root's first request is back, H_initial is the mean of their
-        first windows (over those that have one; none: the group never branches). Returns the groups settled
-        by this call."""
-        if self.bcfg.initial_entropy_scope != "group":
-            return []
-        settled = []
-        for g in groups:
-            if self.h0_settled[g]:
-                continue
-            roots = [b for b in self.by_group[g] if b.kind == "initial"]
-            if not roots or not all(b.started for b in roots):
-                continue
-            hs = [b.own_h0 for b in roots if b.own_h0 is not None]
-            self.group_h0[g] = sum(hs) / len(hs) if hs else None
-            for b in self.by_group[g]:
-                b.h_initial = self.group_h0[g]
-            self.h0_settled[g] = True
-            settled.append(g)
-        return settled
-
-    def needs_group_h0(self, b: Branch) -> bool:
-        """The decision after ``b``'s next tool call compares against its group's initial entropy, not known yet."""
-        return (b.h_initial is None and b.may_fork and self.cfg.branching_enabled
-                and self.bcfg.initial_entropy_scope == "group" and not self.h0_settled[b.group])
-
     def classify(self, b: Branch, out: GenerationOutput, finish: str,
                  stop_reason: Any) -> ToolCall | MalformedCall | None:
         """After a request: the tool call to run (the branch is then in phase ``TOOL``), or None (finished,
         or the segment goes on)."""
         if b.phase is Phase.DONE:
             return None
-        room = self.cfg.max_response_length - len(b.response_ids)
+        room = self.cfg.sampling.max_response_length - len(b.response_ids)
         seg_text = self.tok.decode(b.response_ids[b.seg_start:]).rstrip()
         # The engine names the stop string it matched; the token that completed it may carry more text.
         close = stop_reason if stop_reason in self.close_tags else \
@@ -193,7 +152,7 @@ class RolloutTree:
         if finish == "abort":
             self._finish(b, "abort")
         elif close is not None:
-            if b.n_calls >= self.cfg.tool_call_limit:
+            if b.n_calls >= self.cfg.tools.call_limit:
                 b.tally["tool_calls_hit_limit"] += 1
                 if room > 0:
                     b.append([self.tok.eos_token_id], model=False)
@@ -223,9 +182,7 @@ class RolloutTree:
         """Append a tool's result (``result``: the executor's, None for a malformed call) as masked tokens,
         then decide on forks (timing ``code``) or probe first (timing ``paper``)."""
         if isinstance(call, MalformedCall):
-            open_tag, close_tag = TOOL_TAGS[call.tool]
-            text, error, tool = (f"Error: malformed tool call: {close_tag} without a matching {open_tag}. "
-                                 f"Write {open_tag}...{close_tag}."), True, call.tool
+            text, error, tool = call.error_text(), True, call.tool
             b.tally["tool_calls_malformed"] += 1
         else:
             text, error, tool = result.text, not result.ok, call.tool
@@ -235,7 +192,7 @@ class RolloutTree:
         if h_before is not None:
             b.samples["entropy_before_tool"].append(h_before)
         ids = self.tok.encode(format_tool_result(text), add_special_tokens=False)
-        room = cfg.max_response_length - len(b.response_ids)
+        room = cfg.sampling.max_response_length - len(b.response_ids)
         truncated = len(ids) >= room
         ids = ids[:room]
         start = len(b.response_ids)
@@ -275,7 +232,7 @@ class RolloutTree:
     def _branch(self, b: Branch, delta_h: float, pos: int, record: dict[str, Any]) -> None:
         """One branching decision: ``beam_size - 1`` draws of the rule, from the decision's own generator
         (seeded by the branch's identity and call number), then slots from the group's
-        :class:`~arpo.rollout.branch_slots.GroupSlots`: at once, or, under ``branch_grant: ordered`` when
+        :class:`~arpo.rollout.branch_slots.GroupSlots`: at once, or, under ``schedule.branch_grant: ordered`` when
         other decisions could still compete for the slots, once its turn in the fixed order comes. The
         parent never waits: it goes on generating, and the forks copy its tokens up to ``pos`` (and its
         records as they are now) when they are granted."""
@@ -305,7 +262,7 @@ class RolloutTree:
             return None
         if b.phase is Phase.PROBE:  # timing paper: the decision at the current result is still to come
             return b.n_calls
-        return b.n_calls + 1 if b.n_calls < self.cfg.tool_call_limit else None
+        return b.n_calls + 1 if b.n_calls < self.cfg.tools.call_limit else None
 
     # ---- finishing and filling ----------------------------------------------------------------------
     def _finish(self, b: Branch, reason: str) -> None:
@@ -333,12 +290,5 @@ class RolloutTree:
         ordered = sorted((b for b in self.branches if b.in_batch), key=lambda b: (b.group,) + canonical(b.key))
         assert all(not b.speculative for b in ordered), "a speculative fill was neither confirmed nor dropped"
         index = {b.tid: i for i, b in enumerate(ordered)}
-        return [Trajectory(
-            group=b.group, prompt_ids=list(b.prompt_ids), response_ids=b.response_ids,
-            response_mask=b.response_mask, parent=index[b.parent] if b.parent >= 0 else -1,
-            branch_pos=b.branch_pos, token_entropy=b.token_entropy if self.cfg.return_entropy else None,
-            rollout_log_probs=b.rollout_log_probs if self.cfg.calculate_log_probs else None,
-            tool_calls=b.tool_calls, finish_reason=b.finish_reason,
-            extra={"num_tool_calls": b.n_calls, "rollout_kind": b.kind, "tree_index": b.tree,
-                   "initial_entropy": math.nan if b.h_initial is None else b.h_initial},
-        ) for b in ordered]
+        return [b.trajectory(index[b.parent] if b.parent >= 0 else -1, self.cfg.return_entropy,
+                             self.cfg.calculate_log_probs) for b in ordered]

@@ -56,7 +56,7 @@ def rollout_n(cfg: Any) -> int:
 def rollout_temperature(cfg: Any) -> float:
     """Sampling temperature the log-probs are taken at (verl divides the logits by it)."""
     return float(cfg_get(cfg, "actor_rollout_ref.rollout.temperature",
-                         cfg_get(cfg, "actor_rollout_ref.rollout.arpo.temperature", 1.0)))
+                         cfg_get(cfg, "actor_rollout_ref.rollout.arpo.sampling.temperature", 1.0)))
 
 
 def mini_batch_rows(cfg: Any) -> int:

@@ -90,14 +90,14 @@ class RayARPOTrainer:
                                 + gen_round * 7_919) & 0x7FFFFFFF
         if validation:
             prompts.meta["rollout_overrides"] = {"mode": "single", "n": v.n, "initial_rollouts": v.n,
-                                                 "temperature": v.temperature, "top_p": v.top_p, "top_k": v.top_k}
+                                                 "sampling.temperature": v.temperature, "sampling.top_p": v.top_p,
+                                                 "sampling.top_k": v.top_k}
         if r.mode == "agent_loop":  # per-sample loops take verl's sampling params; group loops the overrides too
             from arpo.engine.base import SamplingParams
 
-            a = r.arpo
             params = SamplingParams(
-                temperature=v.temperature if validation else a.temperature, top_p=v.top_p if validation else a.top_p,
-                top_k=v.top_k if validation else a.top_k, max_tokens=int(self.cfg.data.max_response_length),
+                temperature=v.temperature if validation else r.temperature, top_p=v.top_p if validation else r.top_p,
+                top_k=v.top_k if validation else r.top_k, max_tokens=int(self.cfg.data.max_response_length),
                 seed=prompts.meta["seed"])
             return self.rollout.generate_sequences(prompts, n=v.n if validation else r.n, sampling_params=params)
         return self.rollout.generate_sequences(prompts)

@@ -43,7 +43,7 @@ def messages(n_prompts: int) -> list[list[dict]]:
 
 def agent_loop_batch(tokenizer, engines, cfg: dict, n_prompts: int, seed: int = SEED,
                      calculate_log_probs: bool = False) -> DataBatch:
-    config = AgentLoopConfig.load({"response_length": cfg["max_response_length"], "multi_turn": TOOLS,
+    config = AgentLoopConfig.load({"response_length": cfg["sampling.max_response_length"], "multi_turn": TOOLS,
                                    "default_agent_loop": "arpo_agent", "agents": [
                                        {"name": "arpo_agent", "_target_": "arpo.agent_loop.arpo_agent_loop.ARPOAgentLoop",
                                         "rollout": cfg}]})
@@ -52,7 +52,7 @@ def agent_loop_batch(tokenizer, engines, cfg: dict, n_prompts: int, seed: int = 
     prompts = DataBatch({}, {"raw_prompt": messages(n_prompts)}, {"seed": seed})
     try:
         return manager.generate_sequences(prompts, n=cfg["n"], sampling_params=SamplingParams(
-            temperature=cfg.get("temperature", 1.0), max_tokens=cfg["max_response_length"]))
+            temperature=cfg.get("sampling.temperature", 1.0), max_tokens=cfg["sampling.max_response_length"]))
     finally:
         manager.close()
 
@@ -76,23 +76,25 @@ def tree(batch: DataBatch) -> list[tuple]:
 
 CASES = {
     "code timing": {},
-    "paper timing, group entropy": {"timing": "paper", "rule": "paper", "initial_entropy_scope": "group"},
-    "speculative fills": {"speculative_fill": 2},
-    "no fill prediction, first come": {"speculative_fill_probability": None, "branch_grant": "first_come",
-                                       "schedule": "rounds"},
-    "duplicate fills": {"fill": "duplicate", "speculative_fill_probability": None},
+    "paper timing, group entropy": {"branching.timing": "paper", "branching.rule": "paper",
+                                    "entropy.initial_scope": "group"},
+    "speculative fills": {"schedule.speculative_fill": 2},
+    "no fill prediction, first come": {"schedule.fill_probability": None, "schedule.branch_grant": "first_come",
+                                       "schedule.mode": "rounds"},
+    "duplicate fills": {"schedule.fill": "duplicate", "schedule.fill_probability": None},
     "plain sampling": {"mode": "single"},
-    "aepo, released fill": {"policy": "aepo", "aepo_penalty": 0.5, "fill": "released"},
-    "aepo, pre-monitoring, group entropy": {"policy": "aepo", "aepo_pre_monitoring": True, "aepo_beta": 5.0,
-                                            "initial_entropy_scope": "group", "speculative_fill": 1},
-    "tree_grpo": {"policy": "tree_grpo", "initial_rollouts": 2, "tree_expansions": 2},
+    "aepo, released fill": {"policy": "aepo", "aepo.penalty": 0.5, "schedule.fill": "released"},
+    "aepo, pre-monitoring, group entropy": {"policy": "aepo", "aepo.pre_monitoring": True, "aepo.beta": 5.0,
+                                            "entropy.initial_scope": "group", "schedule.speculative_fill": 1},
+    "tree_grpo": {"policy": "tree_grpo", "initial_rollouts": 2, "tree_grpo.expansions": 2},
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_group_is_the_batch_rollouts_group(tokenizer, case):
-    cfg = {"n": 8, "initial_rollouts": 3, "beam_size": 3, "branch_probability": 0.7, "entropy_window": 5,
-           "tool_call_limit": 3, "max_response_length": 300, "return_entropy": True, **CASES[case]}
+    cfg = {"n": 8, "initial_rollouts": 3, "branching.beam_size": 3, "branching.branch_probability": 0.7,
+           "entropy.window": 5, "tools.call_limit": 3, "sampling.max_response_length": 300, "return_entropy": True,
+           **CASES[case]}
     policy = ScriptPolicy(call_prob=0.8, call_decay=0.15)
     expected = batch_rollout(tokenizer, ScriptedEngine(tokenizer, policy), cfg, n_prompts=3)
     check_invariants(expected, ARPORolloutConfig.from_dict(cfg), tokenizer, n_prompts=3)
@@ -109,8 +111,8 @@ def test_each_group_is_the_batch_rollouts_group(tokenizer, case):
 
 def test_groups_spread_over_servers_and_each_stays_on_one(tokenizer):
     engines = [ShuffledEngine(tokenizer, s, policy=ScriptPolicy(call_prob=0.9)) for s in range(2)]
-    cfg = {"n": 6, "initial_rollouts": 2, "branch_probability": 1.0, "entropy_weight": 0.0, "tool_call_limit": 3,
-           "max_response_length": 300}
+    cfg = {"n": 6, "initial_rollouts": 2, "branching.branch_probability": 1.0, "branching.entropy_weight": 0.0,
+           "tools.call_limit": 3, "sampling.max_response_length": 300}
     batch = agent_loop_batch(tokenizer, engines, cfg, n_prompts=8)
     assert list(batch["group_index"]) == [g for g in range(8) for _ in range(6)]
     sessions = [{r.request_id.split("-t")[0] for r in e.requests} for e in engines]  # arpo-<call>-g<group>
@@ -122,8 +124,9 @@ def test_groups_spread_over_servers_and_each_stays_on_one(tokenizer):
 def test_no_batch_is_lost_under_fill_prediction_stress(tokenizer, timing, scope):
     # M=16, N=8, fill prediction and speculative fills, random completion order, 100 batches: dropped fills are
     # cancelled mid-request, and none of that may escape into a group or lose a batch
-    cfg = {"n": 16, "initial_rollouts": 8, "tool_call_limit": 3, "max_response_length": 200, "timing": timing,
-           "initial_entropy_scope": scope, "speculative_fill": 2, "entropy_window": 5}
+    cfg = {"n": 16, "initial_rollouts": 8, "tools.call_limit": 3, "sampling.max_response_length": 200,
+           "branching.timing": timing, "entropy.initial_scope": scope, "schedule.speculative_fill": 2,
+           "entropy.window": 5}
     lost = []
     for batch_no in range(100):
         try:
@@ -139,11 +142,13 @@ def test_no_batch_is_lost_under_fill_prediction_stress(tokenizer, timing, scope)
 def test_bad_config_names_the_key(tokenizer):
     engine = ScriptedEngine(tokenizer)
     with pytest.raises(ValueError, match="beam_size"):
-        agent_loop_batch(tokenizer, [engine], {"n": 4, "initial_rollouts": 2, "beam_size": 0, "max_response_length": 100}, 1)
+        agent_loop_batch(tokenizer, [engine], {"n": 4, "initial_rollouts": 2, "branching.beam_size": 0,
+                                               "sampling.max_response_length": 100}, 1)
     with pytest.raises(ValueError, match="unknown key"):
-        agent_loop_batch(tokenizer, [engine], {"n": 4, "initial_rollouts": 2, "beams": 2, "max_response_length": 100}, 1)
+        agent_loop_batch(tokenizer, [engine], {"n": 4, "initial_rollouts": 2, "beams": 2,
+                                               "sampling.max_response_length": 100}, 1)
     with pytest.raises(ValueError, match="initial_rollouts"):
-        agent_loop_batch(tokenizer, [engine], {"n": 4, "initial_rollouts": 5, "max_response_length": 100}, 1)
+        agent_loop_batch(tokenizer, [engine], {"n": 4, "initial_rollouts": 5, "sampling.max_response_length": 100}, 1)
     manager = AgentLoopManager([engine], tokenizer, AgentLoopConfig.load({}), [])
     try:
         with pytest.raises(ValueError, match="needs a tool named by an ARPO tag"):
@@ -156,7 +161,8 @@ def test_the_agent_loop_records_the_batch_rollouts_log_probs(tokenizer):
     """actor_rollout_ref.rollout.calculate_log_probs reaches the agent loop through its manager."""
     import torch
 
-    cfg = {"n": 6, "initial_rollouts": 2, "branch_probability": 0.7, "tool_call_limit": 2, "max_response_length": 200}
+    cfg = {"n": 6, "initial_rollouts": 2, "branching.branch_probability": 0.7, "tools.call_limit": 2,
+           "sampling.max_response_length": 200}
     policy = ScriptPolicy(call_prob=0.8, call_decay=0.15)
     expected = batch_rollout(tokenizer, ScriptedEngine(tokenizer, policy), {**cfg, "calculate_log_probs": True},
                              n_prompts=2)

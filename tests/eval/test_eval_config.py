@@ -119,7 +119,7 @@ def test_rerun_with_other_settings_or_changed_questions_is_refused(data_dir, tmp
     _write_done(tmp_path / "run", ["Who is person 0?", "Who is person 1?"])
     evaluate(_cfg(data_dir, tmp_path, *base))
     with pytest.raises(ConfigError, match=r"other settings \(sampling"):
-        evaluate(_cfg(data_dir, tmp_path, *base, "actor_rollout_ref.rollout.arpo.temperature=1.0"))
+        evaluate(_cfg(data_dir, tmp_path, *base, "actor_rollout_ref.rollout.arpo.sampling.temperature=1.0"))
     with pytest.raises(ConfigError, match=r"other settings \(tool_limits"):
         evaluate(_cfg(data_dir, tmp_path, *base, "eval.max_python_calls=3"))
     lines = (data_dir / "bamboogle" / "test.jsonl").read_text().splitlines()

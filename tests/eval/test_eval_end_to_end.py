@@ -33,7 +33,7 @@ def _env() -> dict[str, str]:
 
 def _eval_cmd(model: Path, run_dir: Path, *overrides: str, response_tokens: int = 48) -> list[str]:
     return [sys.executable, "-m", "arpo.eval", f"actor_rollout_ref.model.path={model}", f"eval.run_dir={run_dir}",
-            f"actor_rollout_ref.rollout.arpo.max_response_length={response_tokens}", "eval.num_runs=2", *overrides]
+            f"actor_rollout_ref.rollout.arpo.sampling.max_response_length={response_tokens}", "eval.num_runs=2", *overrides]
 
 
 @pytest.mark.shared_data

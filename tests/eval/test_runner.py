@@ -59,8 +59,10 @@ def _runner(tmp_path, tools, policy, limits, max_total, concurrency=4):
     tok = ToyTokenizer()
     engine = ScriptedEngine(tok, policy)
     executor = ToolExecutor(tools, max_workers=4, retries=0)
-    cfg = ARPORolloutConfig(mode="single", n=1, tool_call_limit=max_total, max_response_length=600,
-                            temperature=0.6, top_p=0.95, top_k=20, repetition_penalty=1.1)
+    cfg = ARPORolloutConfig.from_dict({"mode": "single", "n": 1, "tools.call_limit": max_total,
+                                       "sampling.max_response_length": 600, "sampling.temperature": 0.6,
+                                       "sampling.top_p": 0.95, "sampling.top_k": 20,
+                                       "sampling.repetition_penalty": 1.1})
     grader = Grader(build_compute_score(None), require_format=False)
     writer = SampleWriter(tmp_path)
     runner = EvalRunner(engine, tok, executor, cfg, limits, ("search",), grader, writer, method="m", seed=7,

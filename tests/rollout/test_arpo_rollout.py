@@ -57,7 +57,7 @@ def window(values: list[float], k: int, reduction: str) -> float:
 def check_invariants(batch: DataBatch, cfg: ARPORolloutConfig, tok, n_prompts: int) -> None:
     rs = rows(batch)
     r_len = batch["responses"].shape[1]
-    k, red = cfg.entropy_window, cfg.entropy_reduction
+    k, red = cfg.entropy.window, cfg.entropy.reduction
     # every prompt yields exactly M trajectories, all sharing the group's uid
     assert Counter(r["group"] for r in rs) == {g: cfg.n for g in range(n_prompts)}
     for g in range(n_prompts):
@@ -66,13 +66,13 @@ def check_invariants(batch: DataBatch, cfg: ARPORolloutConfig, tok, n_prompts: i
         # AEPO's pre-monitoring sets N per group (checked in its own test)
         roots = sum(r["kind"] == "initial" for r in rs if r["group"] == g) if cfg.pre_monitoring else cfg.num_initial
         assert branches <= cfg.n - roots
-        if cfg.mode == "single" or cfg.beam_size == 1:
+        if cfg.mode == "single" or cfg.branching.beam_size == 1:
             assert branches == 0
     assert batch.meta["metrics"]["rollout/branches"] == sum(r["kind"] == "branch" for r in rs)
     generated = 0
     for i, r in enumerate(rs):
         ids, L = r["ids"], r["length"]
-        assert L <= cfg.max_response_length
+        assert L <= cfg.sampling.max_response_length
         # masks: 0 exactly on tool-result tokens, the limit EOS, and padding
         expected = [1] * L + [0] * (r_len - L)
         for c in r["calls"]:
@@ -85,7 +85,7 @@ def check_invariants(batch: DataBatch, cfg: ARPORolloutConfig, tok, n_prompts: i
         if r["finish"] == "tool_limit" and L and ids[-1] == tok.eos_token_id and (not r["calls"] or r["calls"][-1]["end"] < L):
             expected[L - 1] = 0
         assert r["mask"] == expected, (i, r["finish"])
-        assert r["n_calls"] == len(r["calls"]) <= cfg.tool_call_limit
+        assert r["n_calls"] == len(r["calls"]) <= cfg.tools.call_limit
         # model text between results: each call segment holds exactly one close tag, at its end
         bounds = [0] + [x for c in r["calls"] for x in (c["start"], c["end"])] + [L]
         pieces = [tok.decode(ids[a:b]) for a, b in zip(bounds[::2], bounds[1::2])]
@@ -119,7 +119,7 @@ def check_invariants(batch: DataBatch, cfg: ARPORolloutConfig, tok, n_prompts: i
             ent = r["entropy"]
             assert len(ent) == L
             assert [not math.isnan(e) for e in ent] == [m == 1 for m in r["mask"][:L]]
-            if r["kind"] in ("initial", "fill") and cfg.initial_entropy_scope == "trajectory":
+            if r["kind"] in ("initial", "fill") and cfg.entropy.initial_scope == "trajectory":
                 first = ent[: (r["calls"][0]["start"] if r["calls"] else L)]
                 first = [e for e in first if not math.isnan(e)]
                 assert r["h0"] == pytest.approx(window(first, k, red), abs=1e-9)
@@ -130,16 +130,16 @@ def check_invariants(batch: DataBatch, cfg: ARPORolloutConfig, tok, n_prompts: i
                 before = [e for e in ent[seg_start: c["start"]] if not math.isnan(e)]
                 assert c["entropy_before"] == pytest.approx(window(before, k, red), abs=1e-9)
                 if c["delta_entropy"] is not None:
-                    h_now = c["entropy_before"] if cfg.timing == "code" else c["entropy_after"]
+                    h_now = c["entropy_before"] if cfg.branching.timing == "code" else c["entropy_after"]
                     assert c["delta_entropy"] == pytest.approx(h_now - r["h0"], abs=1e-9)
     # no generated token is thrown away (paper timing keeps its probe tokens as the continuation), except
     # those of dropped speculative fills
     m = batch.meta["metrics"]
     assert m["rollout/tokens/generated"] == generated + m["rollout/tokens/discarded"] + m.get("rollout/tokens/monitor", 0)
     assert ("rollout/tokens/monitor" in m) == cfg.pre_monitoring
-    if cfg.speculative_fill == 0 and cfg.speculative_fill_probability is None:
+    if cfg.schedule.speculative_fill == 0 and cfg.schedule.fill_probability is None:
         assert m["rollout/tokens/discarded"] == 0 and m["rollout/fill_discarded"] == 0
-    if cfg.speculative_fill_probability is None:
+    if cfg.schedule.fill_probability is None:
         assert m["rollout/fill_predicted"] == 0
     # what describes the batch counts its rows only, not the dropped speculative fills
     assert m["rollout/trajectories"] == len(rs)
@@ -152,30 +152,30 @@ def check_invariants(batch: DataBatch, cfg: ARPORolloutConfig, tok, n_prompts: i
 def random_case(seed: int):
     r = random.Random(seed)
     n = r.choice([1, 2, 3, 4, 6, 8])
-    cfg = dict(
-        mode=r.choice(["arpo"] * 5 + ["single"]), n=n, initial_rollouts=r.randint(1, n),
-        beam_size=r.choice([1, 2, 2, 3]), branch_probability=r.random(), entropy_weight=r.choice([0.0, 0.2, 1.0]),
-        rule=r.choice(["code", "paper"]), timing=r.choice(["code", "paper"]), paper_alpha=r.choice([0.3, 0.5]),
-        paper_beta=r.choice([0.2, 1.0]), paper_tau=0.5, entropy_window=r.choice([1, 5, 20]),
-        topk_logprobs=r.choice([1, 5, 10]), entropy_reduction=r.choice(["mean", "sum"]),
-        initial_entropy_scope=r.choice(["trajectory", "group"]), tool_call_limit=r.choice([0, 1, 3, 6]),
-        max_response_length=r.choice([30, 120, 400]), fill=r.choice(["fresh", "released", "duplicate"]),
-        return_entropy=r.random() < 0.7,
-        tool_retries=r.choice([0, 1]), schedule=r.choice(["async", "rounds"]),
-        branch_grant=r.choice(["ordered", "first_come"]),
-    )
-    if cfg["fill"] == "fresh":
-        cfg["speculative_fill"] = r.choice([0, 0, 1, 4])
+    cfg = {"mode": r.choice(["arpo"] * 5 + ["single"]), "n": n, "initial_rollouts": r.randint(1, n),
+           "branching.beam_size": r.choice([1, 2, 2, 3]), "branching.branch_probability": r.random(),
+           "branching.entropy_weight": r.choice([0.0, 0.2, 1.0]), "branching.rule": r.choice(["code", "paper"]),
+           "branching.timing": r.choice(["code", "paper"]), "branching.paper_alpha": r.choice([0.3, 0.5]),
+           "branching.paper_beta": r.choice([0.2, 1.0]), "branching.paper_tau": 0.5,
+           "entropy.window": r.choice([1, 5, 20]), "entropy.topk_logprobs": r.choice([1, 5, 10]),
+           "entropy.reduction": r.choice(["mean", "sum"]),
+           "entropy.initial_scope": r.choice(["trajectory", "group"]), "tools.call_limit": r.choice([0, 1, 3, 6]),
+           "sampling.max_response_length": r.choice([30, 120, 400]),
+           "schedule.fill": r.choice(["fresh", "released", "duplicate"]), "return_entropy": r.random() < 0.7,
+           "tools.retries": r.choice([0, 1]), "schedule.mode": r.choice(["async", "rounds"]),
+           "schedule.branch_grant": r.choice(["ordered", "first_come"])}
+    if cfg["schedule.fill"] == "fresh":
+        cfg["schedule.speculative_fill"] = r.choice([0, 0, 1, 4])
     policy = ScriptPolicy(call_prob=r.uniform(0.3, 1.0), call_decay=r.choice([0.0, 0.1]),
                           ramble_prob=r.choice([0.0, 0.0, 0.1]), malformed_prob=r.choice([0.0, 0.1]))
     tools = [BrokenSearch(), FakePython()] if r.random() < 0.2 else [FakeSearch(), FakePython()]
     case = cfg, policy, tools, r.random() < 0.3, r.randint(1, 3)
-    if cfg["fill"] == "fresh":  # drawn last, so the cases drawn before it stay as they were
-        cfg["speculative_fill_probability"] = r.choice([None, None, 0.05, 0.5, 0.95])
+    if cfg["schedule.fill"] == "fresh":  # drawn last, so the cases drawn before it stay as they were
+        cfg["schedule.fill_probability"] = r.choice([None, None, 0.05, 0.5, 0.95])
     if r.random() < 0.3:  # drawn after everything else, for the same reason
-        cfg.update(policy="aepo", aepo_penalty=r.choice([0.05, 0.5, 1.0]))
+        cfg.update({"policy": "aepo", "aepo.penalty": r.choice([0.05, 0.5, 1.0])})
         if r.random() < 0.5:
-            cfg.update(aepo_pre_monitoring=True, aepo_beta=r.choice([0.5, 5.0]))
+            cfg.update({"aepo.pre_monitoring": True, "aepo.beta": r.choice([0.5, 5.0])})
     return case
 
 
@@ -193,7 +193,7 @@ def test_invariants_over_random_configs(seed):
                    and tag_ids & set(q.sampling_params.stop_token_ids) for q in engine.requests)
     elif gen.config.mode == "arpo" and not gen.config.return_entropy:
         # entropy needs logprobs on the window only: no request asks for them on more tokens
-        assert all(q.sampling_params.max_tokens <= gen.config.entropy_window
+        assert all(q.sampling_params.max_tokens <= gen.config.entropy.window
                    for q in engine.requests if q.sampling_params.logprobs is not None)
 
 
@@ -203,12 +203,13 @@ def snapshot(batch: DataBatch):
             {k: [repr(x) for x in batch.non_tensors[k]] for k in keys})
 
 
-BASE = dict(n=8, initial_rollouts=4, max_response_length=300, return_entropy=True, entropy_window=8)
+BASE = {"n": 8, "initial_rollouts": 4, "sampling.max_response_length": 300, "return_entropy": True,
+        "entropy.window": 8}
 
 
 @pytest.mark.parametrize("timing", ["code", "paper"])
 def test_deterministic_for_a_seed(timing):
-    cfg = {**BASE, "timing": timing}
+    cfg = {**BASE, "branching.timing": timing}
     a, _, _ = rollout(cfg, seed=11, n_prompts=3)
     b, _, _ = rollout(cfg, seed=11, n_prompts=3)
     c, _, _ = rollout(cfg, seed=12, n_prompts=3)
@@ -234,7 +235,7 @@ def test_same_batch_whatever_the_schedule_and_the_completion_order():
     snaps = []
     for schedule, order in (("rounds", None), ("rounds", 1), ("async", 1), ("async", 2), ("async", None)):
         engine = ShuffledLatency(order) if order is not None else ScriptedEngine()
-        batch, _, _ = rollout({**BASE, "schedule": schedule}, seed=3, n_prompts=3, engine=engine)
+        batch, _, _ = rollout({**BASE, "schedule.mode": schedule}, seed=3, n_prompts=3, engine=engine)
         m = batch.meta["metrics"]
         assert m["rollout/fill_fresh"] > 0 and m["rollout/branches"] > 0 and m["rollout/branch_decisions_waited"] > 0
         snaps.append(snapshot(batch))
@@ -249,7 +250,7 @@ def test_same_batch_whatever_the_schedule_over_random_configs(seed):
         tok = ToyTokenizer(split_tags=split_tags)
         engine = ShuffledLatency(order, tokenizer=tok, policy=policy) if order is not None else \
             ScriptedEngine(tok, policy=policy)
-        batch, engine, gen = rollout({**cfg, "schedule": schedule, "branch_grant": "ordered"}, policy,
+        batch, engine, gen = rollout({**cfg, "schedule.mode": schedule, "schedule.branch_grant": "ordered"}, policy,
                                      n_prompts=n_prompts, seed=seed, tools=tools, engine=engine)
         check_invariants(batch, gen.config, engine.tokenizer, n_prompts)
         assert engine.in_flight == 0
@@ -272,8 +273,10 @@ def test_look_ahead_over_future_draws_never_undercounts(seed, monkeypatch):
     cfg, policy, tools, split_tags, n_prompts = random_case(2000 + seed)
     n = max(4, cfg["n"])  # room to fork: at most half the budget starts, every decision may fork
     cfg = {**cfg, "mode": "arpo", "n": n, "initial_rollouts": max(1, min(cfg["initial_rollouts"], n // 2)),
-           "beam_size": max(2, cfg["beam_size"]), "tool_call_limit": max(2, cfg["tool_call_limit"]),
-           "branch_probability": 0.3 + 0.7 * cfg["branch_probability"], "max_response_length": 400}
+           "branching.beam_size": max(2, cfg["branching.beam_size"]),
+           "tools.call_limit": max(2, cfg["tools.call_limit"]),
+           "branching.branch_probability": 0.3 + 0.7 * cfg["branching.branch_probability"],
+           "sampling.max_response_length": 400}
     rollout(cfg, policy, n_prompts=n_prompts, seed=seed, tools=tools, split_tags=split_tags)
     call = calls[-1].tree
     live = [t for t in call.branches if not t.discarded]
@@ -286,7 +289,7 @@ def test_look_ahead_over_future_draws_never_undercounts(seed, monkeypatch):
         return t
 
     for t in live:
-        for depth in range(1, call.cfg.tool_call_limit + 1):
+        for depth in range(1, call.cfg.tools.call_limit + 1):
             made = sum(1 for f in forks if f.parent == t.tid and f.key[len(t.key)] == depth)
             assert made <= call.lookahead.may_want(t.group, t.key, t.h_initial, depth)
             assert made <= call.lookahead.may_want(t.group, t.key, None, depth)
@@ -300,11 +303,11 @@ def test_look_ahead_over_future_draws_never_undercounts(seed, monkeypatch):
 
 
 def test_first_come_grants_at_once_and_replays_under_rounds():
-    cfg = {**BASE, "branch_grant": "first_come"}
-    a, _, _ = rollout({**cfg, "schedule": "rounds"}, seed=3, n_prompts=3, engine=ShuffledLatency(1))
-    b, _, _ = rollout({**cfg, "schedule": "rounds"}, seed=3, n_prompts=3, engine=ShuffledLatency(2))
+    cfg = {**BASE, "schedule.branch_grant": "first_come"}
+    a, _, _ = rollout({**cfg, "schedule.mode": "rounds"}, seed=3, n_prompts=3, engine=ShuffledLatency(1))
+    b, _, _ = rollout({**cfg, "schedule.mode": "rounds"}, seed=3, n_prompts=3, engine=ShuffledLatency(2))
     assert snapshot(a) == snapshot(b)
-    c, engine, gen = rollout({**cfg, "schedule": "async"}, seed=3, n_prompts=3, engine=ShuffledLatency(3))
+    c, engine, gen = rollout({**cfg, "schedule.mode": "async"}, seed=3, n_prompts=3, engine=ShuffledLatency(3))
     check_invariants(c, gen.config, engine.tokenizer, 3)
     for batch in (a, c):
         m = batch.meta["metrics"]
@@ -344,7 +347,7 @@ def test_async_trajectories_do_not_wait_for_a_slow_tool_call():
     for schedule, expect_overlap in (("async", True), ("rounds", False)):
         slow.clear()
         engine = StartTimes(policy=CALLER, latency_s=0.001)
-        batch, _, gen = rollout({**BASE, "n": 6, "initial_rollouts": 3, "schedule": schedule}, CALLER,
+        batch, _, gen = rollout({**BASE, "n": 6, "initial_rollouts": 3, "schedule.mode": schedule}, CALLER,
                                 engine=engine, tools=[SlowOnce(), FakePython()], n_prompts=2)
         check_invariants(batch, gen.config, engine.tokenizer, 2)
         during = [t for t in engine.starts if slow["start"] < t < slow["end"]]
@@ -376,7 +379,7 @@ def test_entropy_state_does_not_leak_between_calls():
 def test_replicas_take_whole_groups_and_give_the_same_batch(schedule):
     """Two engine replicas: each prompt group runs on one of them (sticky: its branches share one prefix cache),
     both get groups, and the batch is the one a single engine gives (request seeds follow groups and branches)."""
-    cfg = {**BASE, "schedule": schedule}
+    cfg = {**BASE, "schedule.mode": schedule}
     single, _, _ = rollout(cfg, seed=5, n_prompts=6)
     replicas = [ShuffledLatency(1), ShuffledLatency(2)]
     gen = ARPORollout(replicas, replicas[0].tokenizer, cfg, tools=[FakeSearch(), FakePython()])
@@ -401,8 +404,9 @@ def own_records(rs):
 
 
 # budget large enough never to bind: 2 roots, beam 3, at most 2 calls each -> at most 2 * 3**2 = 18 < 20
-UNBOUND = dict(n=20, initial_rollouts=2, beam_size=3, tool_call_limit=2, max_response_length=1000,
-               return_entropy=True, entropy_window=6, fill="fresh")
+UNBOUND = {"n": 20, "initial_rollouts": 2, "branching.beam_size": 3, "tools.call_limit": 2,
+           "sampling.max_response_length": 1000, "return_entropy": True, "entropy.window": 6,
+           "schedule.fill": "fresh"}
 CALLER = ScriptPolicy(call_prob=0.9, call_decay=0.0)
 
 
@@ -412,7 +416,8 @@ def forks_at(rs, i, pos):
 
 @pytest.mark.parametrize("timing", ["code", "paper"])
 def test_paper_rule_forks_iff_alpha_plus_beta_dh_exceeds_tau(timing):
-    cfg = {**UNBOUND, "rule": "paper", "timing": timing, "paper_alpha": 0.0, "paper_beta": 1.0, "paper_tau": 0.0}
+    cfg = {**UNBOUND, "branching.rule": "paper", "branching.timing": timing, "branching.paper_alpha": 0.0,
+           "branching.paper_beta": 1.0, "branching.paper_tau": 0.0}
     seen = Counter()
     for seed in range(4):
         batch, engine, gen = rollout(cfg, CALLER, seed=seed)
@@ -428,21 +433,22 @@ def test_paper_rule_forks_iff_alpha_plus_beta_dh_exceeds_tau(timing):
 
 @pytest.mark.parametrize("timing", ["code", "paper"])
 def test_code_rule_extremes_and_direction(timing):
-    always = {**UNBOUND, "rule": "code", "timing": timing, "branch_probability": 1.0}
+    always = {**UNBOUND, "branching.rule": "code", "branching.timing": timing, "branching.branch_probability": 1.0}
     batch, engine, gen = rollout(always, CALLER, seed=3)
     rs = rows(batch)
     recs = list(own_records(rs))
     assert recs and all(forks_at(rs, i, c["end"]) == 2 for i, r, c in recs if c["delta_entropy"] is not None)
 
-    never = {**UNBOUND, "rule": "code", "timing": timing, "branch_probability": 0.0, "entropy_weight": 0.0,
-             "n": 6}
+    never = {**UNBOUND, "branching.rule": "code", "branching.timing": timing, "branching.branch_probability": 0.0,
+             "branching.entropy_weight": 0.0, "n": 6}
     batch, engine, gen = rollout(never, CALLER, seed=3)
     assert batch.meta["metrics"]["rollout/branches"] == 0
     assert batch.meta["metrics"]["rollout/fill_fresh"] == 2 * 4
     check_invariants(batch, gen.config, engine.tokenizer, 2)
 
     # branch_probability 0 and a large weight: forks only where entropy rose (dH > 0)
-    rising = {**UNBOUND, "rule": "code", "timing": timing, "branch_probability": 0.0, "entropy_weight": 50.0}
+    rising = {**UNBOUND, "branching.rule": "code", "branching.timing": timing, "branching.branch_probability": 0.0,
+              "branching.entropy_weight": 50.0}
     made = 0
     for seed in range(3):
         batch, _, _ = rollout(rising, CALLER, seed=seed)
@@ -456,26 +462,26 @@ def test_code_rule_extremes_and_direction(timing):
 
 
 def test_timings_measure_different_windows():
-    cfg = {**UNBOUND, "branch_probability": 1.0}
-    code, _, _ = rollout({**cfg, "timing": "code"}, CALLER, seed=1)
-    paper, engine, _ = rollout({**cfg, "timing": "paper"}, CALLER, seed=1)
+    cfg = {**UNBOUND, "branching.branch_probability": 1.0}
+    code, _, _ = rollout({**cfg, "branching.timing": "code"}, CALLER, seed=1)
+    paper, engine, _ = rollout({**cfg, "branching.timing": "paper"}, CALLER, seed=1)
     # the scripted model is uncertain right after a result, as the ARPO paper measured on real models
     m_code, m_paper = code.meta["metrics"], paper.meta["metrics"]
     assert m_paper["rollout/entropy/delta_mean"] > m_code["rollout/entropy/delta_mean"]
     # paper timing sends a probe of exactly k tokens after each result, then continues the same segment
-    probes = [r for r in engine.requests if r.sampling_params.max_tokens == cfg["entropy_window"]]
-    assert probes and all(r.output_len <= cfg["entropy_window"] for r in probes)
+    probes = [r for r in engine.requests if r.sampling_params.max_tokens == cfg["entropy.window"]]
+    assert probes and all(r.output_len <= cfg["entropy.window"] for r in probes)
 
 
 def test_fill_modes():
-    cfg = dict(n=6, initial_rollouts=2, beam_size=2, branch_probability=0.0, entropy_weight=0.0,
-               max_response_length=200)
-    fresh, engine, gen = rollout({**cfg, "fill": "fresh"}, seed=4)
+    cfg = {"n": 6, "initial_rollouts": 2, "branching.beam_size": 2, "branching.branch_probability": 0.0,
+           "branching.entropy_weight": 0.0, "sampling.max_response_length": 200}
+    fresh, engine, gen = rollout({**cfg, "schedule.fill": "fresh"}, seed=4)
     rs = rows(fresh)
     assert Counter(r["kind"] for r in rs) == {"initial": 4, "fill": 8}
     assert all(r["parent"] == -1 for r in rs)
     assert len({tuple(r["ids"]) for r in rs}) > 6  # fresh samples, not copies
-    dup, engine, gen = rollout({**cfg, "fill": "duplicate"}, seed=4)
+    dup, engine, gen = rollout({**cfg, "schedule.fill": "duplicate"}, seed=4)
     rs = rows(dup)
     assert Counter(r["kind"] for r in rs) == {"initial": 4, "duplicate": 8}
     for r in rs:
@@ -491,8 +497,10 @@ def test_released_fill_adds_one_root_at_a_time_that_may_branch(branch_probabilit
     # the released code's loop: a group with nothing left running gets one more root per round until it has M
     calls = branch_probability > 0
     policy = ScriptPolicy(call_prob=1.0 if calls else 0.0, call_decay=0.0)
-    cfg = dict(n=8, initial_rollouts=2, beam_size=2, branch_probability=branch_probability, entropy_weight=0.0,
-               max_response_length=300, fill="released", schedule="rounds", tool_call_limit=1)
+    cfg = {"n": 8, "initial_rollouts": 2, "branching.beam_size": 2,
+           "branching.branch_probability": branch_probability, "branching.entropy_weight": 0.0,
+           "sampling.max_response_length": 300, "schedule.fill": "released", "schedule.mode": "rounds",
+           "tools.call_limit": 1}
     batch, engine, gen = rollout(cfg, policy, seed=4)
     rs = rows(batch)
     check_invariants(batch, gen.config, engine.tokenizer, 2)
@@ -500,7 +508,7 @@ def test_released_fill_adds_one_root_at_a_time_that_may_branch(branch_probabilit
     if not calls:  # every root is one request, and each late one waits for the one before
         assert Counter(r["kind"] for r in rs) == {"initial": 16}
         assert batch.meta["metrics"]["rollout/rounds"] == 1 + (8 - 2)
-        fresh, _, _ = rollout({**cfg, "fill": "fresh"}, policy, seed=4)
+        fresh, _, _ = rollout({**cfg, "schedule.fill": "fresh"}, policy, seed=4)
         assert fresh.meta["metrics"]["rollout/rounds"] == 1  # fresh fills start with the roots: no draw can fork
     else:  # one call each: a root forks once, so the first roots make 4 and late roots fork like them
         for g in range(2):
@@ -513,9 +521,10 @@ def test_aepo_damps_forks_at_consecutive_depths_of_a_path(policy):
     # every candidate wants a fork unless damped (p ~ 0, w 0); AEPO with penalty 1 silences the decision right
     # after a fork on the same path (f = 0), so a path forks at depths 1 and 3, never 2; ARPO forks at all
     policy_ = ScriptPolicy(call_prob=1.0, call_decay=0.0, tools=("search",))
-    cfg = dict(n=40, initial_rollouts=2, beam_size=2, branch_probability=1e-9 if policy == "aepo" else 1.0,
-               entropy_weight=0.0, tool_call_limit=3, max_response_length=600, policy=policy, aepo_penalty=1.0,
-               speculative_fill_probability=None)
+    cfg = {"n": 40, "initial_rollouts": 2, "branching.beam_size": 2,
+           "branching.branch_probability": 1e-9 if policy == "aepo" else 1.0, "branching.entropy_weight": 0.0,
+           "tools.call_limit": 3, "sampling.max_response_length": 600, "policy": policy, "aepo.penalty": 1.0,
+           "schedule.fill_probability": None}
     batch, engine, gen = rollout(cfg, policy_, n_prompts=1, seed=3)
     check_invariants(batch, gen.config, engine.tokenizer, 1)
     rs = rows(batch)
@@ -530,8 +539,8 @@ def test_aepo_pre_monitoring_sets_each_groups_roots_from_its_probe(call_prob, be
     # The probe runs first and alone, is no row; N = clamp(int(M·σ(β·(H_root − H̄_tool))) + 1, 1, M). Without
     # tool calls H̄_tool = H_root: N = M/2 + 1. The scripted policy's tokens after a tool result are flat (high
     # entropy), so a steep β leaves one root and the rest of the budget to branching.
-    cfg = dict(n=8, initial_rollouts=4, policy="aepo", aepo_pre_monitoring=True, aepo_beta=beta,
-               max_response_length=400, tool_call_limit=3, return_entropy=True)
+    cfg = {"n": 8, "initial_rollouts": 4, "policy": "aepo", "aepo.pre_monitoring": True, "aepo.beta": beta,
+           "sampling.max_response_length": 400, "tools.call_limit": 3, "return_entropy": True}
     policy = ScriptPolicy(call_prob=call_prob, call_decay=0.0)
     batch, engine, gen = rollout(cfg, policy, n_prompts=1, seed=5)
     check_invariants(batch, gen.config, engine.tokenizer, 1)
@@ -549,17 +558,17 @@ def test_aepo_pre_monitoring_sets_each_groups_roots_from_its_probe(call_prob, be
     assert probe[0] == 0 and all(i == j for i, j in zip(probe, range(len(probe))))
     assert m["rollout/tokens/monitor"] == sum(len(engine.requests[i].output_ids) for i in probe) > 0
     # the same roots and draws as without the probe, only N differs: the first root's tokens are the same
-    plain, _, _ = rollout({**cfg, "aepo_pre_monitoring": False, "initial_rollouts": roots}, policy, n_prompts=1, seed=5)
+    plain, _, _ = rollout({**cfg, "aepo.pre_monitoring": False, "initial_rollouts": roots}, policy, n_prompts=1, seed=5)
     assert rows(plain)[0]["ids"] == rs[0]["ids"]
-    with pytest.raises(ValueError, match="aepo_pre_monitoring=True: true only with"):
+    with pytest.raises(ValueError, match="aepo.pre_monitoring=True: true only with"):
         ARPORolloutConfig.from_dict({**cfg, "policy": "arpo"})
 
 
 def test_tree_grpo_grows_equal_trees_from_nodes_at_tool_results():
     # n 12 from 2 trees: each tree is expanded 2 nodes at a time until it holds 6 chains; no entropy decisions
-    cfg = dict(n=12, initial_rollouts=2, policy="tree_grpo", tree_expansions=2, tool_call_limit=3,
-               max_response_length=400, return_entropy=True)
-    batches = {s: rollout({**cfg, "schedule": s}, ScriptPolicy(call_prob=0.8), n_prompts=2, seed=1)
+    cfg = {"n": 12, "initial_rollouts": 2, "policy": "tree_grpo", "tree_grpo.expansions": 2, "tools.call_limit": 3,
+           "sampling.max_response_length": 400, "return_entropy": True}
+    batches = {s: rollout({**cfg, "schedule.mode": s}, ScriptPolicy(call_prob=0.8), n_prompts=2, seed=1)
                for s in ("async", "rounds")}
     batch, engine, gen = batches["async"]
     check_invariants(batch, gen.config, engine.tokenizer, 2)
@@ -573,13 +582,13 @@ def test_tree_grpo_grows_equal_trees_from_nodes_at_tool_results():
     # the picks depend on the trees, not on completion order
     assert [(r["ids"], r["parent"], r["bpos"]) for r in rows(batches["rounds"][0])] == \
         [(r["ids"], r["parent"], r["bpos"]) for r in rs]
-    with pytest.raises(ValueError, match="not a multiple"):
+    with pytest.raises(ValueError, match="n=7: policy tree_grpo grows initial_rollouts \\(2\\) trees.*use a multiple"):
         ARPORolloutConfig.from_dict({**cfg, "n": 7})
 
 
 def test_tool_failure_becomes_text():
     policy = ScriptPolicy(call_prob=1.0, call_decay=0.0, tools=("search",))
-    batch, engine, gen = rollout({**BASE, "tool_call_limit": 1, "tool_retries": 1}, policy,
+    batch, engine, gen = rollout({**BASE, "tools.call_limit": 1, "tools.retries": 1}, policy,
                                  tools=[BrokenSearch()])
     tok = engine.tokenizer
     expected = format_tool_result("Error: tool 'search' failed: ConnectionError: search server unreachable")
@@ -591,7 +600,7 @@ def test_tool_failure_becomes_text():
 
 def test_malformed_call_gets_an_error_result():
     policy = ScriptPolicy(call_prob=1.0, call_decay=0.0, tools=("python",), malformed_prob=1.0)
-    batch, engine, gen = rollout({**BASE, "tool_call_limit": 2}, policy)
+    batch, engine, gen = rollout({**BASE, "tools.call_limit": 2}, policy)
     r = rows(batch)[0]
     text = engine.tokenizer.decode(r["ids"][r["calls"][0]["start"]: r["calls"][0]["end"]])
     assert "malformed tool call: </python> without a matching <python>" in text
@@ -601,7 +610,7 @@ def test_malformed_call_gets_an_error_result():
 @pytest.mark.parametrize("limit", [0, 1, 2])
 def test_call_limit_appends_eos(limit):
     policy = ScriptPolicy(call_prob=1.0, call_decay=0.0)
-    batch, engine, gen = rollout({**BASE, "tool_call_limit": limit, "max_response_length": 2000}, policy)
+    batch, engine, gen = rollout({**BASE, "tools.call_limit": limit, "sampling.max_response_length": 2000}, policy)
     tok = engine.tokenizer
     for r in rows(batch):
         assert r["finish"] == "tool_limit" and len(r["calls"]) == limit
@@ -614,13 +623,13 @@ def test_call_limit_appends_eos(limit):
 
 def test_max_response_length():
     policy = ScriptPolicy(ramble_prob=1.0)
-    batch, engine, gen = rollout({**BASE, "max_response_length": 50}, policy)
+    batch, engine, gen = rollout({**BASE, "sampling.max_response_length": 50}, policy)
     assert batch["responses"].shape[1] == 50
     assert all(r["finish"] == "length" and r["length"] == 50 for r in rows(batch))
 
 
 def test_single_mode_is_plain_sampling():
-    batch, engine, gen = rollout({"mode": "single", "n": 5, "initial_rollouts": 1, "max_response_length": 300})
+    batch, engine, gen = rollout({"mode": "single", "n": 5, "initial_rollouts": 1, "sampling.max_response_length": 300})
     rs = rows(batch)
     assert len(rs) == 10 and all(r["parent"] == -1 and r["kind"] == "initial" for r in rs)
     assert all(r.sampling_params.logprobs is None for r in engine.requests)
@@ -649,22 +658,23 @@ def test_collated_layout_and_generate_sequences():
     assert torch.equal(same["responses"], batch["responses"])
     greedy = gen.generate_sequences(DataBatch(non_tensors={"raw_prompt_ids": col},
                                               meta={"rollout_overrides": {"mode": "single", "n": 1,
-                                                                          "temperature": 0.0}}))
+                                                                          "sampling.temperature": 0.0}}))
     assert len(greedy) == 2
     gen.close()
 
 
 def test_config_validation_messages():
-    with pytest.raises(ValueError, match=r"initial_rollouts \(9\) > actor_rollout_ref.rollout.arpo.n \(8\)"):
+    with pytest.raises(ValueError, match=r"arpo.initial_rollouts=9: the initial rollouts N cannot exceed the budget M "
+                                         r"\(actor_rollout_ref.rollout.arpo.n=8\)"):
         ARPORolloutConfig(n=8, initial_rollouts=9).validate()
     with pytest.raises(ValueError, match="unknown key.*'beams'"):
         ARPORolloutConfig.from_dict({"beams": 2})
-    with pytest.raises(ValueError, match="arpo.rule='x'"):
-        ARPORolloutConfig.from_dict({"rule": "x"})
-    with pytest.raises(ValueError, match="arpo.entropy_window=0"):
-        ARPORolloutConfig.from_dict({"entropy_window": 0})
-    with pytest.raises(ValueError, match="fill"):
-        ARPORolloutConfig.from_dict({"fill": "copy"})
+    with pytest.raises(ValueError, match="arpo.branching.rule='x'"):
+        ARPORolloutConfig.from_dict({"branching.rule": "x"})
+    with pytest.raises(ValueError, match="arpo.entropy.window=0"):
+        ARPORolloutConfig.from_dict({"entropy.window": 0})
+    with pytest.raises(ValueError, match="arpo.schedule.fill='copy'"):
+        ARPORolloutConfig.from_dict({"schedule.fill": "copy"})
     assert ARPORolloutConfig.from_dict({"mode": "single", "n": 4, "initial_rollouts": 8}).num_initial == 4
 
 
@@ -692,8 +702,8 @@ def test_paper_probe_boundary_inside_a_multi_token_stop_string():
     engine = FixedScriptEngine(texts)
     tok = engine.tokenizer
     k = len(tok.encode("<python>print(3 + 4)")) + 1  # the probe ends after "</", inside "</python>"
-    cfg = {**BASE, "n": 2, "initial_rollouts": 1, "timing": "paper", "branch_probability": 1.0,
-           "entropy_window": k, "max_response_length": 200}
+    cfg = {**BASE, "n": 2, "initial_rollouts": 1, "branching.timing": "paper", "branching.branch_probability": 1.0,
+           "entropy.window": k, "sampling.max_response_length": 200}
     batch, _, gen = rollout(cfg, engine=engine, n_prompts=1)
     check_invariants(batch, gen.config, tok, 1)
     r = rows(batch)[0]
@@ -708,42 +718,42 @@ def test_paper_probe_boundary_inside_a_multi_token_stop_string():
 
 @pytest.mark.parametrize("schedule", ["rounds", "async"])
 def test_speculative_fill_confirms_or_drops_without_changing_decisions(schedule):
-    base = dict(n=8, initial_rollouts=2, beam_size=2, max_response_length=300, tool_call_limit=2,
-                return_entropy=True, schedule=schedule)
+    base = {"n": 8, "initial_rollouts": 2, "branching.beam_size": 2, "sampling.max_response_length": 300,
+            "tools.call_limit": 2, "return_entropy": True, "schedule.mode": schedule}
     # no branching: every speculative fill is needed and kept; without speculation the look-ahead over the
     # decisions' draws sees that no decision can fork, so the fills start with the initial rollouts anyway
-    never = {**base, "branch_probability": 0.0, "entropy_weight": 0.0}
+    never = {**base, "branching.branch_probability": 0.0, "branching.entropy_weight": 0.0}
     plain, plain_engine, _ = rollout(never, seed=2)
-    spec, engine, gen = rollout({**never, "speculative_fill": 6}, seed=2)
+    spec, engine, gen = rollout({**never, "schedule.speculative_fill": 6}, seed=2)
     check_invariants(spec, gen.config, engine.tokenizer, 2)
     ms = spec.meta["metrics"]
     assert ms["rollout/fill_fresh"] == 12 and ms["rollout/fill_discarded"] == 0
     assert engine.max_in_flight == plain_engine.max_in_flight == 2 * 8  # fills ran alongside the initial ones
     assert snapshot(spec) == snapshot(plain)
     # always branch: branching takes the slots, speculative fills are dropped; decisions are unchanged
-    always = {**base, "branch_probability": 1.0}
+    always = {**base, "branching.branch_probability": 1.0}
     plain, _, _ = rollout(always, seed=2)
-    spec, engine, gen = rollout({**always, "speculative_fill": 6}, seed=2)
+    spec, engine, gen = rollout({**always, "schedule.speculative_fill": 6}, seed=2)
     check_invariants(spec, gen.config, engine.tokenizer, 2)
     ms, mp = spec.meta["metrics"], plain.meta["metrics"]
     assert ms["rollout/fill_discarded"] > 0 and ms["rollout/tokens/discarded"] > 0
     assert ms["rollout/branches"] == mp["rollout/branches"]
     kept = lambda b: sorted(tuple(r["ids"]) for r in rows(b) if r["kind"] != "fill")  # noqa: E731
     assert kept(spec) == kept(plain)
-    again, _, _ = rollout({**always, "speculative_fill": 6}, seed=2)
+    again, _, _ = rollout({**always, "schedule.speculative_fill": 6}, seed=2)
     assert snapshot(again) == snapshot(spec)
-    with pytest.raises(ValueError, match="speculative_fill=2 needs"):
-        ARPORolloutConfig(speculative_fill=2, fill="duplicate").validate()
+    with pytest.raises(ValueError, match="schedule.speculative_fill=2: needs schedule.fill=fresh"):
+        ARPORolloutConfig.from_dict({"schedule.speculative_fill": 2, "schedule.fill": "duplicate"}).validate()
 
 
 @pytest.mark.parametrize("schedule", ["rounds", "async"])
 def test_fill_prediction_changes_when_fills_start_not_the_batch(schedule):
-    cfg = {**BASE, "schedule": schedule, "tool_call_limit": 2}
-    plain, _, _ = rollout({**cfg, "speculative_fill_probability": None}, seed=3, n_prompts=3)
+    cfg = {**BASE, "schedule.mode": schedule, "tools.call_limit": 2}
+    plain, _, _ = rollout({**cfg, "schedule.fill_probability": None}, seed=3, n_prompts=3)
     assert plain.meta["metrics"]["rollout/fill_predicted"] == 0
     predicted = {}
     for p in (0.01, 0.5, 1.0):
-        batch, engine, gen = rollout({**cfg, "speculative_fill_probability": p}, seed=3, n_prompts=3)
+        batch, engine, gen = rollout({**cfg, "schedule.fill_probability": p}, seed=3, n_prompts=3)
         check_invariants(batch, gen.config, engine.tokenizer, 3)
         assert snapshot(batch) == snapshot(plain)
         predicted[p] = batch.meta["metrics"]["rollout/fill_predicted"]
@@ -753,7 +763,7 @@ def test_fill_prediction_changes_when_fills_start_not_the_batch(schedule):
 def test_fill_prediction_learns_from_the_last_call_that_fills_are_needed():
     # the policy never calls a tool, so every slot beyond the initial rollouts is a fill's; the look-ahead
     # alone cannot know that (every draw forks), and neither can the prediction before it has seen a segment end
-    cfg = {**BASE, "initial_rollouts": 2, "branch_probability": 1.0, "speculative_fill_probability": 0.8}
+    cfg = {**BASE, "initial_rollouts": 2, "branching.branch_probability": 1.0, "schedule.fill_probability": 0.8}
     engine = ScriptedEngine(policy=ScriptPolicy(call_prob=0.0))
     gen = ARPORollout(engine, engine.tokenizer, cfg, tools=[FakeSearch(), FakePython()])
     prompts = [engine.tokenizer.encode(f"Question {i}: what is the number?") for i in range(3)]
@@ -788,7 +798,7 @@ def test_engine_error_propagates_and_cancels_in_flight_requests():
 
     engine = FailingEngine()
     # no predicted fills, so exactly the initial requests are in flight when one fails
-    gen = ARPORollout(engine, engine.tokenizer, {**BASE, "speculative_fill_probability": None}, tools=[FakeSearch()])
+    gen = ARPORollout(engine, engine.tokenizer, {**BASE, "schedule.fill_probability": None}, tools=[FakeSearch()])
     with pytest.raises(RuntimeError, match="engine died"):
         gen.generate([engine.tokenizer.encode("Q?")] * 2, seed=0)
     assert engine.cancelled == 2 * 4 - 1 and engine.in_flight == 0
@@ -830,8 +840,8 @@ def test_window_logprobs_give_the_entropies_the_decisions_use(reduction, split_t
     k = 6
     engine = RecordingEngine(ToyTokenizer(split_tags=split_tags),
                              policy=ScriptPolicy(call_prob=1.0, call_decay=0.2, think_words=(4, 9)))
-    cfg = {"n": 6, "initial_rollouts": 3, "max_response_length": 300, "entropy_window": k, "tool_call_limit": 3,
-           "entropy_reduction": reduction, "branch_probability": 0.5}
+    cfg = {"n": 6, "initial_rollouts": 3, "sampling.max_response_length": 300, "entropy.window": k,
+           "tools.call_limit": 3, "entropy.reduction": reduction, "branching.branch_probability": 0.5}
     batch, _, gen = rollout(cfg, engine=engine, n_prompts=2)
     check_invariants(batch, gen.config, engine.tokenizer, 2)
     with_lp = [(p, o) for p, sp, o in engine.calls if sp.logprobs is not None]
@@ -866,7 +876,7 @@ def test_stop_string_split_between_window_and_continuation():
     engine = FixedScriptEngine(texts)
     tok = engine.tokenizer
     k = len(tok.encode("<python>print(1 + 2)")) + 1
-    cfg = {"n": 1, "initial_rollouts": 1, "entropy_window": k, "max_response_length": 200}
+    cfg = {"n": 1, "initial_rollouts": 1, "entropy.window": k, "sampling.max_response_length": 200}
     batch, _, gen = rollout(cfg, engine=engine, n_prompts=1)
     check_invariants(batch, gen.config, tok, 1)
     r = rows(batch)[0]

@@ -57,13 +57,13 @@ def test_arpo_rollout_on_vllm_with_real_tools(real_stack):
 
     engine, tok, tools, prompts, loop = real_stack
     # branch_probability 1: every tool call forks while the budget lasts (the SFT model's entropy is low)
-    cfg = {"n": 4, "initial_rollouts": 2, "max_response_length": 320, "tool_call_limit": 3, "entropy_window": 10,
-           "branch_probability": 1.0, "return_entropy": True, "seed": 3}
+    cfg = {"n": 4, "initial_rollouts": 2, "sampling.max_response_length": 320, "tools.call_limit": 3,
+           "entropy.window": 10, "branching.branch_probability": 1.0, "return_entropy": True, "seed": 3}
     batches = {}
     gen = ARPORollout(engine, tok, cfg, tools)
     try:
         for schedule in ("async", "rounds"):
-            config = ARPORolloutConfig.from_dict({**cfg, "schedule": schedule})
+            config = ARPORolloutConfig.from_dict({**cfg, "schedule.mode": schedule})
             batches[schedule] = loop.run_until_complete(gen.agenerate(prompts, seed=7, config=config))
             check_invariants(batches[schedule], config, tok, len(prompts))
     finally:
@@ -101,9 +101,9 @@ def test_successor_policies_on_vllm_with_real_tools(real_stack, policy):
 
     engine, tok, tools, prompts, loop = real_stack
     cfg = ARPORolloutConfig.from_dict({
-        "n": 4, "initial_rollouts": 2, "max_response_length": 320, "tool_call_limit": 3, "entropy_window": 10,
-        "branch_probability": 0.0 if policy == "aepo" else 0.5, "return_entropy": True, "seed": 3,
-        "policy": policy, "aepo_penalty": 0.5, "aepo_pre_monitoring": policy == "aepo"})
+        "n": 4, "initial_rollouts": 2, "sampling.max_response_length": 320, "tools.call_limit": 3, "entropy.window": 10,
+        "branching.branch_probability": 0.0 if policy == "aepo" else 0.5, "return_entropy": True, "seed": 3,
+        "policy": policy, "aepo.penalty": 0.5, "aepo.pre_monitoring": policy == "aepo"})
     gen = ARPORollout(engine, tok, cfg, tools)
     try:
         batch = loop.run_until_complete(gen.agenerate(prompts, seed=7))

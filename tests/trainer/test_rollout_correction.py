@@ -61,8 +61,8 @@ def test_mismatch_sums_by_hand():
 def test_the_batch_rollout_records_each_sampled_tokens_log_prob_and_forks_inherit_them():
     from tests.rollout.test_arpo_rollout import rollout
 
-    cfg = {"n": 6, "initial_rollouts": 2, "branch_probability": 1.0, "tool_call_limit": 2,
-           "max_response_length": 200, "calculate_log_probs": True}
+    cfg = {"n": 6, "initial_rollouts": 2, "branching.branch_probability": 1.0, "tools.call_limit": 2,
+           "sampling.max_response_length": 200, "calculate_log_probs": True}
     batch, _, _ = rollout(cfg, n_prompts=2)
     lp, mask = batch["rollout_log_probs"], batch["response_mask"].bool()
     assert (lp[mask] < 0).all() and not lp[~mask].any()  # every model token has one; tool results and pads 0
@@ -86,7 +86,7 @@ def test_recorded_log_probs_are_the_trainers_for_the_same_model(tiny_model_dir):
 
     engine = HFEngine({"model_path": tiny_model_dir, "name": "hf", "dtype": "float32"})
     tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    gen = ARPORollout(engine, tok, {"n": 2, "initial_rollouts": 2, "max_response_length": 24,
+    gen = ARPORollout(engine, tok, {"n": 2, "initial_rollouts": 2, "sampling.max_response_length": 24,
                                     "calculate_log_probs": True}, tools=[FakeSearch(), FakePython()])
     try:
         batch = gen.generate([tok("What is 2 + 3?")["input_ids"]], seed=0)
@@ -108,7 +108,7 @@ def test_recorded_log_probs_are_the_trainers_for_the_same_model(tiny_model_dir):
     (["algorithm.rollout_correction.rollout_is=turn"], "rollout_correction.rollout_is='turn' is not valid"),
     (["actor_rollout_ref.rollout.calculate_log_probs=true", "algorithm.rollout_correction.rollout_is=token",
       "algorithm.rollout_correction.rollout_is_threshold=0"], "rollout_is_threshold must be a number > 0"),
-    (["actor_rollout_ref.rollout.calculate_log_probs=true", "actor_rollout_ref.rollout.arpo.temperature=0.7"],
+    (["actor_rollout_ref.rollout.calculate_log_probs=true", "actor_rollout_ref.rollout.temperature=0.7"],
      "logprobs_mode=processed_logprobs"),
     (["actor_rollout_ref.rollout.arpo.calculate_log_probs=true"], "set actor_rollout_ref.rollout.calculate_log_probs"),
 ])
