@@ -27,7 +27,8 @@ def validate_config(cfg: DictConfig) -> None:
     """Every cross-key rule, checked before anything starts; each failure is one line naming keys and fix."""
     from arpo.engine.config import EngineConfig
     from arpo.rollout.config import ARPORolloutConfig
-    from arpo.trainer.actor_config import rollout_temperature, validate_actor_config, validate_critic_config
+    from arpo.trainer.actor_config import (rollout_temperature, validate_actor_config, validate_critic_config,
+                                           validate_validation_config)
     from arpo.trainer.algo_config import validate_algorithm_config
     from reward_fns.overlong import OverlongBuffer
 
@@ -63,6 +64,9 @@ def validate_config(cfg: DictConfig) -> None:
         validate_algorithm_config(cfg)
         validate_actor_config(cfg)
         validate_critic_config(cfg)
+        validate_validation_config(cfg)
+        if r.mode == "agent_loop":
+            agent_loop_config(cfg)
         OverlongBuffer.from_config(cfg.reward.get("overlong_buffer"), cfg.data.max_response_length)
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -193,11 +197,31 @@ def build_rollout(cfg: DictConfig, engines: list[Any], tokenizer: Any, tools: An
         arpo_cfg["mode"] = r.mode
         arpo_cfg["calculate_log_probs"] = bool(r.calculate_log_probs)
         return ARPORollout(engines, tokenizer, arpo_cfg, tools)
-    from arpo.agent_loop.manager import AgentLoopConfig, AgentLoopManager
+    from arpo.agent_loop.manager import AgentLoopManager
 
-    return AgentLoopManager(engines, tokenizer, AgentLoopConfig.load(
-        OmegaConf.to_container(cfg.agent_loop, resolve=True)), tools=list(tools.values()),
-        calculate_log_probs=bool(r.calculate_log_probs))
+    return AgentLoopManager(engines, tokenizer, agent_loop_config(cfg), tools=list(tools.values()),
+                            calculate_log_probs=bool(r.calculate_log_probs))
+
+
+def agent_loop_config(cfg: DictConfig):
+    """The agent loops' config from verl's places: ``actor_rollout_ref.rollout.{agent,multi_turn}``,
+    ``data.max_response_length`` and ``data.apply_chat_template_kwargs``."""
+    from arpo.agent_loop.manager import AgentLoopConfig
+
+    def plain(node: Any) -> Any:
+        return OmegaConf.to_container(node, resolve=True)
+
+    r = cfg.actor_rollout_ref.rollout
+    try:
+        return AgentLoopConfig.load({**plain(r.agent), "multi_turn": plain(r.multi_turn),
+                                     "response_length": int(cfg.data.max_response_length),
+                                     "chat_template_kwargs": plain(cfg.data.apply_chat_template_kwargs)})
+    except ValueError as e:  # name the full key: the loader knows its sections only
+        msg = str(e)
+        if msg.startswith("multi_turn."):
+            raise ValueError(f"actor_rollout_ref.rollout.{msg}") from None
+        sep = "." if msg.split("=")[0].isidentifier() else ": "
+        raise ValueError(f"actor_rollout_ref.rollout.agent{sep}{msg}") from None
 
 
 def announce(cfg: DictConfig) -> None:

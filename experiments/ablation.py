@@ -84,7 +84,7 @@ logger = logging.getLogger("arpo.ablation")
 
 ARPO = "actor_rollout_ref.rollout.mode=arpo"
 ROLLOUT_KEY = "actor_rollout_ref.rollout.arpo"
-SMOKE_OVERRIDES = ("trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.validation.max_samples=8",
+SMOKE_OVERRIDES = ("trainer.total_training_steps=2", "trainer.test_freq=2", "data.val_max_samples=8",
                    "trainer.n_gpus_per_node=1", "trainer.logger=[console,jsonl]")
 SMOKE_DUMP_PROMPTS = 4
 #: training processes in flight (stopped on Ctrl-C)
@@ -290,7 +290,7 @@ def collect(suite: Suite, runs: list[Run], out: Path, header: str, smoke: bool, 
     names = [v.name for v in suite.variants]
     all_summaries = analysis.seed_summaries(out / "runs")
     summaries = {n: all_summaries[n] for n in names if n in all_summaries}
-    note = ("Val acc / reward: final validation (sampled as `trainer.validation.*` says; greedy by default) "
+    note = ("Val acc / reward: final validation (sampled as `actor_rollout_ref.rollout.val_kwargs` says; greedy by default) "
             "`val-core/all/acc/mean` / `val-core/all/reward/mean` (\"–\": not logged); train score: "
             "`critic/score/mean` at the last step; tool calls / traj: tool calls executed in training per "
             "trajectory, over all steps (an ARPO fork re-uses its parent's calls and results, so it runs fewer than "

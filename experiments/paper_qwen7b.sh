@@ -22,5 +22,5 @@ DATA=${ARPO_SHARED_DATA:-../shared/data/arpo}
   actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2 \
   algorithm.adv_estimator=grpo algorithm.advantage_mode=soft \
   trainer.n_gpus_per_node=8 trainer.total_epochs=2 trainer.total_training_steps=null \
-  trainer.test_freq=10 trainer.save_freq=10 trainer.validation.max_samples=0 \
+  trainer.test_freq=10 trainer.save_freq=10 data.val_max_samples=-1 \
   trainer.experiment_name=qwen7b_arpo trainer.output_dir=outputs/qwen7b_arpo "ray_init.num_cpus=null" "$@"

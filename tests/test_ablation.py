@@ -113,10 +113,10 @@ def test_every_variant_composes_to_the_intended_config(suite, expect, tmp_path):
 
 def test_smoke_overrides_shrink_the_run(tmp_path):
     (run,) = ablation.plan_runs(ablation.SUITES["branching_rule"], [0], tmp_path, tmp_path, tmp_path, smoke=True,
-                                extra=["trainer.validation.max_samples=4"])[:1]
+                                extra=["data.val_max_samples=4"])[:1]
     cfg = load_config("arpo_trainer", list(run.overrides))
     assert cfg.trainer.total_training_steps == 2 and cfg.trainer.n_gpus_per_node == 1
-    assert cfg.trainer.validation.max_samples == 4  # the caller's override comes after the smoke ones
+    assert cfg.data.val_max_samples == 4  # the caller's override comes after the smoke ones
 
 
 def test_a_preset_sizes_every_run_and_names_its_model_and_data(tmp_path):

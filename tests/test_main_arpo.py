@@ -75,6 +75,14 @@ def start_up_config_error(model: Path, data: Path, *overrides: str) -> str:
     (["actor_rollout_ref.rollout.arpo.aepo.pre_monitoring=true"],
      "aepo.pre_monitoring=True: true only with actor_rollout_ref.rollout.arpo.policy=aepo"),
     (["preset=aepo", "actor_rollout_ref.rollout.arpo.aepo.beta=0"], "aepo.beta=0: use a number > 0"),
+    (["actor_rollout_ref.rollout.val_kwargs.temperature=0.6"], "actor_rollout_ref.rollout.val_kwargs.temperature=0.6 "
+     "is ignored with actor_rollout_ref.rollout.val_kwargs.do_sample=false (greedy): set actor_rollout_ref.rollout."
+     "val_kwargs.do_sample=true"),
+    (["data.val_max_samples=0"], "data.val_max_samples must be -1 (all) or an integer >= 1, got 0"),
+    (["actor_rollout_ref.rollout.mode=agent_loop", "actor_rollout_ref.rollout.multi_turn.format=xml"],
+     "actor_rollout_ref.rollout.multi_turn.format='xml': use one of"),
+    (["actor_rollout_ref.rollout.mode=agent_loop", "actor_rollout_ref.rollout.agent.max_concurrency=0"],
+     "actor_rollout_ref.rollout.agent.max_concurrency=0: must be >= 1"),
     (["actor_rollout_ref.rollout.arpo.sampling.temperature=0.5"], "actor_rollout_ref.rollout.arpo.sampling.temperature"
      "=0.5 differs from actor_rollout_ref.rollout.temperature=1.0: one setting, one value; set only "
      "actor_rollout_ref.rollout.temperature"),
@@ -86,6 +94,18 @@ def start_up_config_error(model: Path, data: Path, *overrides: str) -> str:
 ])
 def test_bad_config_fails_at_start_up_naming_the_key(tiny_model_dir, synthetic_dir, overrides, expect):
     assert expect in start_up_config_error(tiny_model_dir, synthetic_dir, *overrides)
+
+
+def test_validation_is_greedy_unless_do_sample():
+    # verl's val_kwargs: do_sample false samples greedily whatever the other keys hold (start-up forbids that)
+    from omegaconf import OmegaConf
+
+    from arpo.trainer.actor_config import validation_sampling
+
+    kwargs = OmegaConf.create({"n": 2, "do_sample": False, "temperature": 0.0, "top_p": 1.0, "top_k": -1})
+    assert validation_sampling(kwargs) == {"n": 2, "temperature": 0.0, "top_p": 1.0, "top_k": -1}
+    kwargs.update(do_sample=True, temperature=0.6, top_p=0.95, top_k=20)
+    assert validation_sampling(kwargs) == {"n": 2, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
 
 
 def test_missing_model_path_names_the_key(synthetic_dir, tmp_path):

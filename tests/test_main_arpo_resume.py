@@ -27,7 +27,7 @@ def test_sigkill_mid_training_resumes_from_the_last_checkpoint(sft_model_dir, tm
     args = trainer_cmd("preset=ppo", f"actor_rollout_ref.model.path={sft_model_dir}", f"synthetic.out_dir={data}",
                 f"trainer.output_dir={out}", "trainer.logger=[console,jsonl]", "trainer.total_training_steps=2",
                 "trainer.save_freq=1", "trainer.test_freq=2", "trainer.val_before_train=false",
-                "trainer.validation.max_samples=8", "trainer.critic_warmup=2",
+                "data.val_max_samples=8", "trainer.critic_warmup=2",
                 "actor_rollout_ref.rollout.mode=agent_loop")
     proc = subprocess.Popen(args, cwd=REPO_ROOT, env=run_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)

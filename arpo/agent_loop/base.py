@@ -3,7 +3,7 @@
 A loop is instantiated per sample (cheap: it only holds a reference to the shared
 :class:`AgentLoopContext`) and its ``run`` coroutine drives one conversation to the end.
 The registry maps a dataset's ``agent_name`` to a class plus constructor kwargs; entries come from
-``@register`` and from the YAML agent-loop config (``configs/agent_loop.yaml``), the YAML winning.
+``@register`` and from the agent-loop config (``configs/rollout/agent.yaml``), the YAML winning.
 """
 
 from __future__ import annotations

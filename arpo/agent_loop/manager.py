@@ -38,12 +38,15 @@ import arpo.agent_loop.tool_agent_loop  # noqa: F401,E402
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "configs" / "agent_loop.yaml"
+#: verl's actor_rollout_ref.rollout.{agent,multi_turn} sections, with their defaults
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "configs" / "rollout" / "agent.yaml"
 
 
 @dataclass
 class AgentLoopConfig:
-    """The agent-loop YAML (``configs/agent_loop.yaml``): defaults, limits and the loop registry."""
+    """The agent-loop config: ``actor_rollout_ref.rollout.agent`` (the loop registry and limits) and ``.multi_turn``
+    (``configs/rollout/agent.yaml``), with the response length and chat-template arguments (in training verl's
+    ``data.max_response_length`` and ``data.apply_chat_template_kwargs``)."""
 
     default_agent_loop: str = "single_turn_agent"
     response_length: int = 512
@@ -58,12 +61,14 @@ class AgentLoopConfig:
 
     @classmethod
     def load(cls, source: str | Path | dict[str, Any] | None = None, **overrides: Any) -> "AgentLoopConfig":
-        """From a YAML path or a dict (None: the packaged default); ``overrides`` replace top-level keys."""
+        """From a dict of this class's fields, or a YAML file laid out as ``configs/rollout/agent.yaml`` (None:
+        that file); ``overrides`` replace top-level keys."""
         if source is None:
             source = DEFAULT_CONFIG_PATH
         if isinstance(source, (str, Path)):
             with open(source) as fh:
-                values = yaml.safe_load(fh) or {}
+                sections = yaml.safe_load(fh) or {}
+            values = {**(sections.get("agent") or {}), "multi_turn": sections.get("multi_turn")}
         else:
             values = dict(source)
         values.update(overrides)

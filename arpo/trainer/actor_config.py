@@ -59,6 +59,36 @@ def rollout_temperature(cfg: Any) -> float:
                          cfg_get(cfg, "actor_rollout_ref.rollout.arpo.sampling.temperature", 1.0)))
 
 
+#: verl's greedy validation (``val_kwargs.do_sample: false``)
+GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": -1}
+
+
+def validation_sampling(val_kwargs: Any) -> dict[str, Any]:
+    """``actor_rollout_ref.rollout.val_kwargs`` as validation samples: ``n`` and, unless ``do_sample``, greedy."""
+    chosen = {k: val_kwargs[k] for k in GREEDY} if val_kwargs["do_sample"] else GREEDY
+    return {"n": int(val_kwargs["n"]), **chosen}
+
+
+def validate_validation_config(cfg: Any) -> None:
+    """``actor_rollout_ref.rollout.val_kwargs`` and ``data.val_max_samples``; raise ConfigError."""
+    p = "actor_rollout_ref.rollout.val_kwargs"
+    v = cfg_get(cfg, p)
+    if not isinstance(v["do_sample"], bool):
+        raise ConfigError(f"{p}.do_sample must be true or false, got {v['do_sample']!r}")
+    if not isinstance(v["n"], int) or isinstance(v["n"], bool) or v["n"] < 1:
+        raise ConfigError(f"{p}.n must be an integer >= 1 (samples per validation prompt), got {v['n']!r}")
+    for key, ok, what in (("temperature", lambda x: x >= 0, ">= 0"), ("top_p", lambda x: 0 < x <= 1, "in (0, 1]"),
+                          ("top_k", lambda x: x == -1 or x >= 1, "-1 (off) or >= 1")):
+        if not isinstance(v[key], (int, float)) or isinstance(v[key], bool) or not ok(v[key]):
+            raise ConfigError(f"{p}.{key} must be {what}, got {v[key]!r}")
+        if not v["do_sample"] and v[key] != GREEDY[key]:
+            raise ConfigError(f"{p}.{key}={v[key]} is ignored with {p}.do_sample=false (greedy): set "
+                              f"{p}.do_sample=true to sample with it, or leave it at {GREEDY[key]}")
+    m = cfg_get(cfg, "data.val_max_samples", -1)
+    if not isinstance(m, int) or isinstance(m, bool) or not (m == -1 or m >= 1):
+        raise ConfigError(f"data.val_max_samples must be -1 (all) or an integer >= 1, got {m!r}")
+
+
 def mini_batch_rows(cfg: Any) -> int:
     """Rows (trajectories) in one PPO mini-batch over all ranks: ``ppo_mini_batch_size * rollout.n``."""
     return int(cfg_get(cfg, "actor_rollout_ref.actor.ppo_mini_batch_size", 1)) * rollout_n(cfg)

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from arpo.batch import DataBatch
 from arpo.trainer import core_algos
-from arpo.trainer.actor_config import needs_old_log_prob_pass
+from arpo.trainer.actor_config import needs_old_log_prob_pass, validation_sampling
 from arpo.trainer.dynamic_sampling import GroupCollector, filter_groups_config
 from arpo.trainer.hard_advantage import apply_advantage_mode
 from arpo.trainer.metrics import Timer, compute_data_metrics
@@ -80,26 +80,24 @@ class RayARPOTrainer:
         return DataBatch({}, nt, {})
 
     def _generate(self, prompts: DataBatch, validation: bool, gen_round: int = 0) -> DataBatch:
-        """Roll out with the configured path; validation samples ``trainer.validation.n`` per prompt with its
+        """Roll out with the configured path; validation samples ``rollout.val_kwargs.n`` per prompt with its
         own sampling (greedy by default, as ARPO validates) and never branches. ``gen_round``: the step's
         generation round under dynamic sampling."""
         r = self.cfg.actor_rollout_ref.rollout
-        v = self.cfg.trainer.validation
+        v = validation_sampling(r.val_kwargs)
         # Seeds follow the step, so a resumed run samples exactly what the uninterrupted one would have.
         prompts.meta["seed"] = (int(self.cfg.trainer.seed) * 1_000_003 + self.global_step * 2 + validation
                                 + gen_round * 7_919) & 0x7FFFFFFF
         if validation:
-            prompts.meta["rollout_overrides"] = {"mode": "single", "n": v.n, "initial_rollouts": v.n,
-                                                 "sampling.temperature": v.temperature, "sampling.top_p": v.top_p,
-                                                 "sampling.top_k": v.top_k}
+            prompts.meta["rollout_overrides"] = {"mode": "single", "n": v["n"], "initial_rollouts": v["n"],
+                                                 **{f"sampling.{k}": v[k] for k in ("temperature", "top_p", "top_k")}}
         if r.mode == "agent_loop":  # per-sample loops take verl's sampling params; group loops the overrides too
             from arpo.engine.base import SamplingParams
 
             params = SamplingParams(
-                temperature=v.temperature if validation else r.temperature, top_p=v.top_p if validation else r.top_p,
-                top_k=v.top_k if validation else r.top_k, max_tokens=int(self.cfg.data.max_response_length),
-                seed=prompts.meta["seed"])
-            return self.rollout.generate_sequences(prompts, n=v.n if validation else r.n, sampling_params=params)
+                **{k: v[k] if validation else r[k] for k in ("temperature", "top_p", "top_k")},
+                max_tokens=int(self.cfg.data.max_response_length), seed=prompts.meta["seed"])
+            return self.rollout.generate_sequences(prompts, n=v["n"] if validation else r.n, sampling_params=params)
         return self.rollout.generate_sequences(prompts)
 
     def _score(self, batch: DataBatch) -> tuple[DataBatch, dict[str, float]]:
@@ -246,20 +244,20 @@ class RayARPOTrainer:
         sample in ``trainer.validation_data_dir/step_<N>.jsonl`` (verl's key) for paired before/after tests."""
         if self.val_data is None:
             return {}
-        v = self.cfg.trainer.validation
         rows = self.val_data.all_rows()
-        if v.max_samples:
-            rows = rows[: v.max_samples]
+        if int(self.cfg.data.val_max_samples) >= 0:
+            rows = rows[: int(self.cfg.data.val_max_samples)]
         batch = self._generate(self._prompt_batch(rows), validation=True)
         batch, _ = self._score(batch)
         scores = batch.tensors["token_level_scores"].sum(-1).numpy()
         acc = np.asarray(batch.non_tensors["reward_acc"], dtype=float)
         sources = np.asarray(batch.non_tensors["data_source"])
         out: dict[str, float] = {}
+        n = int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
         for src in sorted(set(sources)):
             sel = sources == src
-            out[f"val-core/{src}/reward/mean@{v.n}"] = float(scores[sel].mean())
-            out[f"val-core/{src}/acc/mean@{v.n}"] = float(acc[sel].mean())
+            out[f"val-core/{src}/reward/mean@{n}"] = float(scores[sel].mean())
+            out[f"val-core/{src}/acc/mean@{n}"] = float(acc[sel].mean())
         out["val-core/all/reward/mean"] = float(scores.mean())
         out["val-core/all/acc/mean"] = float(acc.mean())
         self._dump_validation(batch, scores, acc)

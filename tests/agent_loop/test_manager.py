@@ -29,8 +29,9 @@ def _rows():
 
 
 def test_default_yaml_registers_every_loop():
-    config = AgentLoopConfig.load()
-    assert config.default_agent_loop == "single_turn_agent"
+    config = AgentLoopConfig.load()  # configs/rollout/agent.yaml: verl's rollout.agent and rollout.multi_turn
+    assert config.default_agent_loop == "single_turn_agent" and config.max_concurrency == 1024
+    assert config.multi_turn.tool_timeout_s == 120 and config.multi_turn.format == "hermes"
     assert {"single_turn_agent", "tool_agent", "arpo_agent"} <= set(registered_names())
     with pytest.raises(ValueError, match="unknown agent-loop config key"):
         AgentLoopConfig.load({"respons_length": 3})
