@@ -81,6 +81,9 @@ def validate_config(cfg: DictConfig) -> None:
     if cfg.ray_init.address is None and cfg.ray_init.num_cpus is not None:
         require_cpus(cfg, cfg.ray_init.num_cpus, "ray_init.num_cpus gives",
                      "raise ray_init.num_cpus (logical CPUs may exceed the cores) or lower the others")
+    if not isinstance(cfg.actor_rollout_ref.hybrid_engine, bool):
+        raise ConfigError(f"actor_rollout_ref.hybrid_engine={cfg.actor_rollout_ref.hybrid_engine!r}: use true (the "
+                          f"engine shares the training GPUs) or false (GPUs of its own)")
     if cfg.ray_init.address is None and cfg.trainer.nnodes > 1:
         raise ConfigError(f"trainer.nnodes={cfg.trainer.nnodes} needs a Ray cluster of that many nodes, and a run "
                           f"without ray_init.address starts a private one-node cluster: start one (ray start "
@@ -171,21 +174,38 @@ def build_trainer(cfg: DictConfig):
 
 
 def _start_engine_and_workers(cfg: DictConfig, create_engines, worker_group) -> tuple[list[Any], dict[str, Any]]:
-    """The rollout engine's replicas and the worker groups by role (:func:`worker_groups`). On CPU their start-ups
-    (process spawns, imports, model loads; ~10 s each here) run at once. On a GPU they start one after another, as
-    in verl: vLLM sizes its KV cache from the memory free while it profiles, which ranks loading beside it would
-    change."""
+    """The rollout engine's replicas and the worker groups by role (:func:`worker_groups`), on a cluster with GPUs
+    in the placement groups of :mod:`arpo.placement` (colocated or split). On CPU their start-ups (process spawns,
+    imports, model loads; ~10 s each here) run at once. On a GPU they start one after another, as in verl: vLLM
+    sizes its KV cache from the memory free while it profiles, which ranks loading beside it would change."""
     import ray
 
     roles = worker_groups(cfg)
+    placement = gpu_placement(cfg, roles) if ray.cluster_resources().get("GPU", 0) > 0 else None
+    from arpo.engine.config import default_device
+
     device = cfg.trainer.device
-    if device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0):
-        engines = create_engines(cfg)
-        return engines, {role: worker_group(cfg, role=role) for role in roles}
+    if device == "cuda" or (device == "auto" and placement is not None and default_device() == "cuda"):
+        engines = create_engines(cfg, placement=placement)
+        return engines, {role: worker_group(cfg, role=role, placement=placement) for role in roles}
     with ThreadPoolExecutor(1 + len(roles), thread_name_prefix="start-up") as pool:
-        engines = pool.submit(create_engines, cfg)
-        groups = {role: pool.submit(worker_group, cfg, role=role) for role in roles}
+        engines = pool.submit(create_engines, cfg, placement=placement)
+        groups = {role: pool.submit(worker_group, cfg, role=role, placement=placement) for role in roles}
         return engines.result(), {role: g.result() for role, g in groups.items()}
+
+
+def gpu_placement(cfg: DictConfig, roles: list[str]):
+    """The run's placement groups on a cluster with GPUs (one clear error when it cannot hold them)."""
+    from arpo.placement import GpuPlacement, PlacementPlan
+    from arpo.ray_utils import rank_nodes
+
+    t = cfg.trainer
+    try:
+        plan = PlacementPlan.from_config(cfg, roles)
+        nodes = rank_nodes(t.nnodes, t.n_gpus_per_node, float(t.cpus_per_worker) * len(roles), 1.0)
+        return GpuPlacement(plan, nodes)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def build_rollout(cfg: DictConfig, engines: list[Any], tokenizer: Any, tools: Any):

@@ -141,10 +141,11 @@ def multi_node_env(multi_node: bool) -> dict[str, str]:
 
 
 @contextmanager
-def ray_head(num_cpus: int, worker_cpus: tuple[int, ...] = ()) -> Iterator[str]:
+def ray_head(num_cpus: int, worker_cpus: tuple[int, ...] = (), gpus: int = 0) -> Iterator[str]:
     """A Ray head node started as a user starts one (``ray start --head``) on 127.0.0.1, and a worker node of
     ``worker_cpus[i]`` CPUs joined to it for each entry (``ray start --address``: several nodes, simulated on this
-    machine); yields the head's address. Their processes live in their own sessions, which are killed afterwards
+    machine), each node with ``gpus`` logical GPUs (Ray counts them; nothing computes on them); yields the head's
+    address. Their processes live in their own sessions, which are killed afterwards
     (never ``ray stop``: that would also stop this pytest's own Ray)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -154,7 +155,7 @@ def ray_head(num_cpus: int, worker_cpus: tuple[int, ...] = ()) -> Iterator[str]:
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": multi_node_env(bool(worker_cpus))["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"],
            "RAY_raylet_start_wait_time_s": "120"}  # as init_ray sets
     start = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
-                              "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", "--num-gpus=0",
+                              "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", f"--num-gpus={gpus}",
                               "--include-dashboard=false", f"--temp-dir={temp_dir}",
                               "--object-store-memory=209715200"],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -168,7 +169,7 @@ def ray_head(num_cpus: int, worker_cpus: tuple[int, ...] = ()) -> Iterator[str]:
         for cpus in worker_cpus:
             workers.append(subprocess.Popen(
                 [sys.executable, "-m", "ray.scripts.scripts", "start", f"--address={host}:{port}",
-                 "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}", "--num-gpus=0",
+                 "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}", f"--num-gpus={gpus}",
                  "--object-store-memory=209715200"],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
             out, _ = workers[-1].communicate(timeout=180)
@@ -218,13 +219,15 @@ def test_dapo_preset_trains_on_informative_groups_of_several_rounds_on_a_joined_
     The run joins a Ray cluster of two nodes started beforehand (``ray_init.address``), as on several machines,
     with two training ranks (trainer.nnodes=2) and two engine replicas, one of each per node: the prompt groups
     are spread over the replicas and every weight push reaches both; the run leaves the cluster running; a cluster
-    too small for the config is one clear error."""
+    too small for the config is one clear error. Each node has one logical GPU, so the placement groups of the
+    GPU path hold them (arpo/placement.py, colocated: each replica shares its node's GPU with that node's rank),
+    while everything computes on CPU."""
     out = tmp_path / "dapo"
     data = sft_model_dir.parents[1] / "data" / "synthetic"
     common = (f"actor_rollout_ref.model.path={sft_model_dir}", f"synthetic.out_dir={data}",
               f"trainer.output_dir={out}", "trainer.logger=[console,jsonl]")
     env = {**run_env(), **multi_node_env(True)}
-    with ray_head(num_cpus=2, worker_cpus=(2,)) as address:
+    with ray_head(num_cpus=2, worker_cpus=(2,), gpus=1) as address:
         too_big = subprocess.run(trainer_cmd(*common, f"ray_init.address={address}", "trainer.n_gpus_per_node=2",
                                       "trainer.cpus_per_worker=2"),
                                  cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
@@ -246,11 +249,16 @@ def test_dapo_preset_trains_on_informative_groups_of_several_rounds_on_a_joined_
                                 "algorithm.filter_groups.max_num_gen_batches=3",
                                 "actor_rollout_ref.rollout.calculate_log_probs=true",
                                 "algorithm.rollout_correction.rollout_is=token",
-                                "actor_rollout_ref.rollout.num_replicas=2"),
+                                "actor_rollout_ref.rollout.num_replicas=2",
+                                # fp32 like the engine, on every CPU (dtype fast is bf16 where avx512_bf16 exists):
+                                # the rollout-correction checks below compare the two
+                                "actor_rollout_ref.model.dtype=float32"),
                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env=env)
         assert r.returncode == 0, r.stderr[-4000:]
         log = (out / "logs" / "arpo.log").read_text()
         assert f"joined ray cluster at {address}" in log
+        assert ("GPU placement: 2 node(s) x 1 training GPU(s), actor ranks 0.5 GPU each; colocated (hybrid engine): "
+                "2 engine replica(s) in the training GPUs' bundles; 2 GPU(s) in all") in log, log[-3000:]
         nodes = re.search(r"2 engine replicas on Ray nodes \['(\w+)', '(\w+)'\]", log)
         assert nodes and nodes[1] != nodes[2], log[-3000:]  # one replica per node
         ranks = re.search(r"actor worker group: 2 ranks on Ray nodes \['(\w+)', '(\w+)'\]", log)
@@ -294,7 +302,8 @@ def test_aepo_preset_with_sequence_level_rollout_correction_trains(sft_model_dir
                             "trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.val_before_train=false",
                             "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.calculate_log_probs=true",
                             "algorithm.rollout_correction.rollout_is=sequence",
-                            "actor_rollout_ref.rollout.arpo.aepo.pre_monitoring=true"),
+                            "actor_rollout_ref.rollout.arpo.aepo.pre_monitoring=true",
+                            "actor_rollout_ref.model.dtype=float32"),  # as the engine computes (TIS checks below)
                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env=run_env())
     assert r.returncode == 0, r.stderr[-4000:]
     (m,) = [m for m in read_metrics(out) if m["step"] > 0]

@@ -208,7 +208,6 @@ def test_streamed_first_epoch_trains_on_every_demonstration_then_reuses_them():
 
 
 def test_stream_stops_pulling_demonstrations_when_max_steps_is_reached():
-    import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from arpo.sft import DemonstrationStream, train_sft

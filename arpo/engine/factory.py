@@ -21,9 +21,11 @@ def create_engine(cfg: Any, ray_actor: bool | None = None) -> GenerationEngine:
     return engine
 
 
-def create_engines(cfg: Any, ray_actor: bool | None = None, replicas: int | None = None) -> list[GenerationEngine]:
+def create_engines(cfg: Any, ray_actor: bool | None = None, replicas: int | None = None,
+                   placement: Any = None) -> list[GenerationEngine]:
     """:func:`create_engine` for ``replicas`` (default ``actor_rollout_ref.rollout.num_replicas``) replicas,
-    started at once, each in its own Ray actor when there are several."""
+    started at once, each in its own Ray actor when there are several (in its bundle of ``placement``, an
+    :class:`arpo.placement.GpuPlacement`, on GPUs; an engine in this process uses the GPU outside Ray's count)."""
     config = cfg if isinstance(cfg, EngineConfig) else EngineConfig.from_cfg(cfg)
     if replicas is not None:
         config = dataclasses.replace(config, num_replicas=replicas)
@@ -37,7 +39,7 @@ def create_engines(cfg: Any, ray_actor: bool | None = None, replicas: int | None
         from arpo.ray_utils import init_ray
 
         init_ray(None if isinstance(cfg, EngineConfig) else cfg)
-        return launch_engine_actors(config)
+        return launch_engine_actors(config, placement)
     if config.num_replicas > 1:
         raise ValueError("actor_rollout_ref.rollout.num_replicas > 1 needs actor_rollout_ref.rollout.ray_actor=true")
     if config.name == "vllm":

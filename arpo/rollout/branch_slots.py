@@ -39,10 +39,12 @@ from __future__ import annotations
 import random
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from arpo.rollout.branching import (BranchingConfig, GroupBudget, could_branch, decision_rng, max_window_entropy,
-                                     window_entropy)
+from arpo.rollout.branching import GroupBudget, could_branch, decision_rng, max_window_entropy, window_entropy
+
+if TYPE_CHECKING:  # config.py imports GRANTS from here
+    from arpo.rollout.config import ARPORolloutConfig
 
 GRANTS = ("ordered", "first_come")
 
@@ -57,17 +59,18 @@ class ForkLookahead:
     """The most forks future branching decisions can take, from their draws (known in advance) and the ΔH
     range their trajectories can reach. Results are memoised: they are pure functions of their arguments."""
 
-    def __init__(self, cfg: BranchingConfig, seed: int, budget: int, call_limit: int | None, vocab_size: int):
+    def __init__(self, cfg: ARPORolloutConfig, seed: int, budget: int, call_limit: int | None, vocab_size: int):
         self.cfg, self.seed, self.budget, self.call_limit, self.vocab_size = cfg, seed, budget, call_limit, vocab_size
         #: the largest window entropy a real distribution's top-k can give; every bound here assumes it
-        self.h_max = max_window_entropy(cfg.window, cfg.topk_logprobs, vocab_size, cfg.entropy_reduction)
+        self.h_max = max_window_entropy(cfg.entropy.window, cfg.entropy.topk_logprobs, vocab_size,
+                                        cfg.entropy.reduction)
         self._wants: dict[tuple, int] = {}
         self._trees: dict[tuple, int] = {}
 
     def window_entropy(self, step_logprobs: list[dict[int, float]]) -> float:
         """The window entropy branching decisions use: clipped into ``[0, h_max]`` (only a broken engine's
         logprobs fall outside), so the look-ahead, which assumes that range, is never wrong."""
-        h = window_entropy(step_logprobs, self.cfg.window, self.vocab_size, self.cfg.entropy_reduction)
+        h = window_entropy(step_logprobs, self.cfg.entropy.window, self.vocab_size, self.cfg.entropy.reduction)
         return min(max(h, 0.0), self.h_max)
 
     def rng(self, group: int, key: tuple, depth: int) -> random.Random:
@@ -86,13 +89,13 @@ class ForkLookahead:
         if memo not in self._wants:
             lo, hi = self.delta_range(h0)
             rng = self.rng(group, key, depth)
-            self._wants[memo] = sum(could_branch(self.cfg, lo, hi, rng) for _ in range(self.cfg.beam_size - 1))
+            self._wants[memo] = sum(could_branch(self.cfg, lo, hi, rng) for _ in range(self.cfg.branching.beam_size - 1))
         return self._wants[memo]
 
     def tree_forks(self, group: int, key: tuple, h0: float | None, first_depth: int) -> int:
         """Most forks (capped at M) the decisions of trajectory ``key`` at depths ``first_depth`` … the call
         limit, and those of the forks they may make, can take. Without a call limit: M (no bound)."""
-        if self.cfg.beam_size <= 1:
+        if self.cfg.branching.beam_size <= 1:
             return 0
         if self.call_limit is None:
             return self.budget
@@ -117,7 +120,7 @@ class ForkLookahead:
         ``reach(d)`` is the chance that a trajectory that has made d − 1 calls makes its d-th; ``call_made``:
         the call at ``first_depth`` is already made (its result pending or its decision in progress).
         A candidate counts as a fork when its draw could fork at some reachable ΔH (as :meth:`may_want`)."""
-        if self.cfg.beam_size <= 1 or cap <= 0:
+        if self.cfg.branching.beam_size <= 1 or cap <= 0:
             return _point(0, cap)
         if self.call_limit is None:  # unbounded calls: no bound on forks, as in tree_forks
             return _point(cap, cap)
@@ -139,7 +142,7 @@ class ForkLookahead:
     def earliest_wanting_depth(self, group: int, key: tuple, h0: float | None, first_depth: int) -> int | None:
         """Depth of the first decision from ``first_depth`` on that could ask for a fork (None: none can).
         The trajectory's forks decide only after it."""
-        if self.cfg.beam_size <= 1:
+        if self.cfg.branching.beam_size <= 1:
             return None
         if self.call_limit is None:
             return first_depth

@@ -41,7 +41,7 @@ Policies (``policy``):
   ``AEPO/verl_aepo_entropy/.../vllm_rollout_with_tools.py``): the same ΔH, damped after consecutive forks so
   that the budget does not pile up along one path ("high-entropy rollout collapse"). With ``c`` the number of
   consecutive decisions just before this one, on this trajectory's path, that asked for a fork,
-  ``f = max(0, 1 − aepo_penalty·c)`` and a candidate forks iff ``clip((U + entropy_weight·ΔH)·f, 0, 1) ≥
+  ``f = max(0, 1 − aepo.penalty·c)`` and a candidate forks iff ``clip((U + entropy_weight·ΔH)·f, 0, 1) ≥
   branch_probability`` (rule ``code``, the released code's form: at c = 0 it forks with probability
   ``1 − p + w·ΔH``, ARPO's ``p + w·ΔH`` at the default p = 0.5) or ``(α + β·ΔH)·f > τ`` (rule ``paper``). The
   released code keeps ``c`` per prompt group and counts rounds in which the group gained a trajectory, which
@@ -56,8 +56,10 @@ import hashlib
 import math
 import random
 import threading
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # config.py imports this module's constants
+    from arpo.rollout.config import ARPORolloutConfig
 
 POLICIES = ("arpo", "aepo", "tree_grpo")
 RULES = ("code", "paper")
@@ -99,66 +101,6 @@ def window_entropy(
     return total / math.log(vocab_size)
 
 
-@dataclass
-class BranchingConfig:
-    """Parameters of the entropy-based branching decision (see the module docstring for the rules)."""
-
-    #: "arpo" or "aepo" (ARPO's rule damped after consecutive forks on a path).
-    policy: str = "arpo"
-    #: aepo: f = max(0, 1 − aepo_penalty·c) after c consecutive forks (released code: 0.05).
-    aepo_penalty: float = 0.05
-    #: "code" (released ARPO: clip(U − w·ΔH, 0, 1) ≤ branch_probability) or "paper" (α + β·ΔH > τ).
-    rule: str = "code"
-    #: "code" (ΔH of the segment before the tool result) or "paper" (ΔH of k tokens after the result).
-    timing: str = "code"
-    #: continuations at a branch point, the parent included (beam_size − 1 forks are tried); 1 = never fork.
-    beam_size: int = 2
-    branch_probability: float = 0.5
-    entropy_weight: float = 0.2
-    paper_alpha: float = 0.5
-    paper_beta: float = 0.2
-    paper_tau: float = 0.5
-    #: entropy window k: the first k generated tokens of a segment.
-    window: int = 20
-    #: top-k logprobs requested from the engine per generated token.
-    topk_logprobs: int = 10
-    #: "mean" (ours) or "sum" (released code) over the window's per-token entropies.
-    entropy_reduction: str = "mean"
-    #: "trajectory": H_initial is the root trajectory's own first window (released code, minus its leak);
-    #: "group": the mean of the first windows of the group's initial rollouts.
-    initial_entropy_scope: str = "trajectory"
-
-    def validate(self) -> "BranchingConfig":
-        def bad(key: str, value, fix: str) -> ValueError:
-            return ValueError(f"branching config: {key}={value!r} is invalid; {fix}")
-
-        if self.policy not in POLICIES:
-            raise bad("policy", self.policy, f"use one of {POLICIES}")
-        if not isinstance(self.aepo_penalty, (int, float)) or not 0 <= self.aepo_penalty < math.inf:
-            raise bad("aepo_penalty", self.aepo_penalty, "use a number >= 0 (AEPO's released code: 0.05)")
-        if self.rule not in RULES:
-            raise bad("rule", self.rule, f"use one of {RULES}")
-        if self.timing not in TIMINGS:
-            raise bad("timing", self.timing, f"use one of {TIMINGS}")
-        if self.entropy_reduction not in REDUCTIONS:
-            raise bad("entropy_reduction", self.entropy_reduction, f"use one of {REDUCTIONS}")
-        if self.initial_entropy_scope not in INITIAL_ENTROPY_SCOPES:
-            raise bad("initial_entropy_scope", self.initial_entropy_scope, f"use one of {INITIAL_ENTROPY_SCOPES}")
-        if not isinstance(self.beam_size, int) or self.beam_size < 1:
-            raise bad("beam_size", self.beam_size, "use an integer >= 1 (1 disables branching)")
-        if not 0.0 <= self.branch_probability <= 1.0:
-            raise bad("branch_probability", self.branch_probability, "use a probability in [0, 1]")
-        for key in ("entropy_weight", "paper_alpha", "paper_beta", "paper_tau"):
-            value = getattr(self, key)
-            if not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise bad(key, value, "use a finite number")
-        if not isinstance(self.window, int) or self.window < 1:
-            raise bad("window", self.window, "use an integer >= 1 (tokens measured per segment; ARPO uses 20)")
-        if not isinstance(self.topk_logprobs, int) or self.topk_logprobs < 1:
-            raise bad("topk_logprobs", self.topk_logprobs, "use an integer >= 1 (ARPO uses 10)")
-        return self
-
-
 def max_window_entropy(window: int, topk: int, vocab_size: int, reduction: str = "mean") -> float:
     """The largest value :func:`window_entropy` can take for top-``topk`` logprobs of a real distribution.
 
@@ -186,21 +128,20 @@ def decision_rng(seed: int, group: int, key: tuple, depth: int) -> random.Random
     return random.Random(derive_seed(seed, "branch", group, key, depth))
 
 
-def _branches(cfg: BranchingConfig, delta_h: float, u: float, damping: float = 1.0) -> bool:
+def _branches(cfg: ARPORolloutConfig, delta_h: float, u: float, damping: float = 1.0) -> bool:
+    b = cfg.branching
     if cfg.policy == "aepo":
-        if cfg.rule == "code":
-            return min(1.0, max(0.0, (u + cfg.entropy_weight * delta_h) * damping)) >= cfg.branch_probability
-        return (cfg.paper_alpha + cfg.paper_beta * delta_h) * damping > cfg.paper_tau
-    if cfg.rule == "code":
-        return min(1.0, max(0.0, u - cfg.entropy_weight * delta_h)) <= cfg.branch_probability
-    if cfg.rule == "paper":
-        return cfg.paper_alpha + cfg.paper_beta * delta_h > cfg.paper_tau
-    raise ValueError(f"branching config: rule={cfg.rule!r} is invalid; use one of {RULES}")
+        if b.rule == "code":
+            return min(1.0, max(0.0, (u + b.entropy_weight * delta_h) * damping)) >= b.branch_probability
+        return (b.paper_alpha + b.paper_beta * delta_h) * damping > b.paper_tau
+    if b.rule == "code":
+        return min(1.0, max(0.0, u - b.entropy_weight * delta_h)) <= b.branch_probability
+    return b.paper_alpha + b.paper_beta * delta_h > b.paper_tau
 
 
-def aepo_damping(cfg: BranchingConfig, streak: int) -> float:
+def aepo_damping(cfg: ARPORolloutConfig, streak: int) -> float:
     """AEPO's factor after ``streak`` consecutive forks on the path (1 for ARPO)."""
-    return max(0.0, 1.0 - cfg.aepo_penalty * streak) if cfg.policy == "aepo" else 1.0
+    return max(0.0, 1.0 - cfg.aepo.penalty * streak) if cfg.policy == "aepo" else 1.0
 
 
 def aepo_initial_rollouts(budget: int, h_root: float, h_tool: float, beta: float) -> int:
@@ -217,21 +158,22 @@ def aepo_initial_rollouts(budget: int, h_root: float, h_tool: float, beta: float
     return max(1, min(budget, int(budget * sigma) + 1))
 
 
-def should_branch(cfg: BranchingConfig, delta_h: float, rng: random.Random, streak: int = 0) -> bool:
+def should_branch(cfg: ARPORolloutConfig, delta_h: float, rng: random.Random, streak: int = 0) -> bool:
     """Decide one fork candidate from the entropy change ``delta_h`` (H_now − H_initial) and, for AEPO, the
     number of consecutive decisions before it on the path that asked for a fork.
 
     ``code`` draws one uniform number from ``rng`` per call; ``paper`` draws none (it is deterministic).
     """
-    return _branches(cfg, delta_h, rng.random() if cfg.rule == "code" else 0.0, aepo_damping(cfg, streak))
+    u = rng.random() if cfg.branching.rule == "code" else 0.0
+    return _branches(cfg, delta_h, u, aepo_damping(cfg, streak))
 
 
-def could_branch(cfg: BranchingConfig, delta_lo: float, delta_hi: float, rng: random.Random) -> bool:
+def could_branch(cfg: ARPORolloutConfig, delta_lo: float, delta_hi: float, rng: random.Random) -> bool:
     """Whether :func:`should_branch`, from the same ``rng`` state, says yes for some ΔH in
     ``[delta_lo, delta_hi]`` and any path history. It draws exactly what :func:`should_branch` draws, so a
     rollout can replay a future decision's draws before its ΔH is known. Every rule is monotone in ΔH and
     linear in AEPO's damping factor f ∈ [0, 1], so the ends of both ranges suffice."""
-    u = rng.random() if cfg.rule == "code" else 0.0
+    u = rng.random() if cfg.branching.rule == "code" else 0.0
     dampings = (1.0, 0.0) if cfg.policy == "aepo" else (1.0,)
     return any(_branches(cfg, dh, u, f) for dh in (delta_lo, delta_hi) for f in dampings)
 

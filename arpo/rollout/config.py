@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from arpo.rollout.branch_slots import GRANTS
-from arpo.rollout.branching import (INITIAL_ENTROPY_SCOPES, POLICIES, REDUCTIONS, RULES, TIMINGS,
-                                    BranchingConfig)
+from arpo.rollout.branching import INITIAL_ENTROPY_SCOPES, POLICIES, REDUCTIONS, RULES, TIMINGS
 
 CONFIG_PREFIX = "actor_rollout_ref.rollout.arpo"
 MODES = ("arpo", "single")
@@ -246,16 +245,6 @@ class ARPORolloutConfig:
         need(not self.aepo.pre_monitoring or self.policy == "aepo", "aepo.pre_monitoring", True,
              f"true only with {CONFIG_PREFIX}.policy=aepo (else false)")
         return self
-
-    def decision(self) -> BranchingConfig:
-        """The branching decision's parameters (the ``branching``, ``entropy`` and AEPO keys it reads)."""
-        b, e = self.branching, self.entropy
-        return BranchingConfig(
-            policy=self.policy, aepo_penalty=self.aepo.penalty, rule=b.rule, timing=b.timing,
-            beam_size=b.beam_size, branch_probability=b.branch_probability, entropy_weight=b.entropy_weight,
-            paper_alpha=b.paper_alpha, paper_beta=b.paper_beta, paper_tau=b.paper_tau, window=e.window,
-            topk_logprobs=e.topk_logprobs, entropy_reduction=e.reduction, initial_entropy_scope=e.initial_scope,
-        ).validate()
 
     @property
     def num_initial(self) -> int:

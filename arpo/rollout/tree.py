@@ -33,14 +33,14 @@ class RolloutTree:
     def __init__(self, cfg: ARPORolloutConfig, tok: Any, prompts: list[list[int]], seed: int,
                  tool_names: list[str], call_rate_prior: dict[int, float], metrics: RolloutMetrics,
                  cut_at_stop: Callable[..., tuple], group_ids: list[int]):
-        self.cfg, self.bcfg, self.tok, self.prompts, self.seed = cfg, cfg.decision(), tok, prompts, seed
+        self.cfg, self.tok, self.prompts, self.seed = cfg, tok, prompts, seed
         #: each group's identity in the seeds of its decisions (its row in the batch), so a group rolled out
         #: alone (one agent loop) draws exactly what it draws in the batch rollout
         self.group_ids = group_ids
         self.m, self.cut_at_stop = metrics, cut_at_stop
         vocab_size = cfg.entropy.vocab_size or len(tok)
         self.log_v = math.log(vocab_size)
-        self.lookahead = ForkLookahead(self.bcfg, seed, cfg.n, cfg.tools.call_limit, vocab_size)
+        self.lookahead = ForkLookahead(cfg, seed, cfg.n, cfg.tools.call_limit, vocab_size)
         self.close_tags = {TOOL_TAGS[n][1]: n for n in tool_names}
         self.branches: list[Branch] = []
         self.by_group: list[list[Branch]] = [[] for _ in prompts]
@@ -118,7 +118,7 @@ class RolloutTree:
         entropy = [token_entropy(lp) / self.log_v for lp in scored] + [math.nan] * (len(ids) - len(scored))
         log_probs = sampled_log_probs(ids, lps) if self.cfg.calculate_log_probs else None
         b.append(ids, model=True, entropy=entropy, log_probs=log_probs)
-        b.seg_logprobs.extend(lps[: max(0, self.bcfg.window - len(b.seg_logprobs))])
+        b.seg_logprobs.extend(lps[: max(0, self.cfg.entropy.window - len(b.seg_logprobs))])
         self.m.count["tokens_generated"] += len(ids)
         if b.kind == "monitor":
             self.m.count["tokens_monitor"] += len(ids)
@@ -214,7 +214,7 @@ class RolloutTree:
         # depend on which trajectory spent it first.
         if not cfg.branching_enabled or not b.may_fork:
             return
-        if self.bcfg.timing == "code":
+        if self.cfg.branching.timing == "code":
             if h_before is not None and b.h_initial is not None:
                 self._branch(b, h_before - b.h_initial, b.seg_start, record)
         else:
@@ -240,8 +240,8 @@ class RolloutTree:
         record["delta_entropy"] = delta_h
         self.m.values["delta_entropy"].append(delta_h)
         self.m.count["branch_points"] += 1
-        self.m.count["branch_points_damped"] += int(aepo_damping(self.bcfg, b.streak) < 1.0)
-        wants = sum(should_branch(self.bcfg, delta_h, rng, b.streak) for _ in range(self.bcfg.beam_size - 1))
+        self.m.count["branch_points_damped"] += int(aepo_damping(self.cfg, b.streak) < 1.0)
+        wants = sum(should_branch(self.cfg, delta_h, rng, b.streak) for _ in range(self.cfg.branching.beam_size - 1))
         b.streak = b.streak + 1 if wants else 0  # from the draws, not the grants: the same under any schedule
         if wants == 0 or self.budgets[b.group].remaining == 0:
             return

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from arpo.batch import DataBatch
+from arpo.placement import GpuPlacement
 from arpo.trainer.actor_config import cfg_get, mini_batch_rows, to_plain, world_size as config_world_size
 from arpo.trainer.memory import allocator_env
 from arpo.trainer.tree_packing import tree_columns, tree_micro_batches, unique_token_count
@@ -146,13 +147,15 @@ def _tensors_only(batch: DataBatch) -> DataBatch:
 class RayWorkerGroup:
     """``world_size`` Ray actors running :class:`ActorWorker` with one role; every call reaches all of them.
 
-    ``num_cpus`` / ``num_gpus`` per actor default to ``trainer.cpus_per_worker`` and (on GPU) 1. With
-    ``trainer.nnodes`` > 1 the ranks are pinned to nodes, ``trainer.n_gpus_per_node`` on each
-    (:func:`arpo.ray_utils.rank_nodes`); on one node Ray places them.
+    ``num_cpus`` / ``num_gpus`` per actor default to ``trainer.cpus_per_worker`` and (on GPU) 1. With a
+    ``placement`` (a cluster with GPUs) rank r runs in its GPU's bundle, sharing the GPU with rank r of the other
+    groups (:mod:`arpo.placement`). Else, with ``trainer.nnodes`` > 1, the ranks are pinned to nodes,
+    ``trainer.n_gpus_per_node`` on each (:func:`arpo.ray_utils.rank_nodes`); on one node Ray places them.
     """
 
     def __init__(self, config: Any, role: str = "actor", world_size: int | None = None,
-                 num_cpus: float | None = None, num_gpus: float | None = None, name_prefix: str | None = None):
+                 num_cpus: float | None = None, num_gpus: float | None = None, name_prefix: str | None = None,
+                 placement: GpuPlacement | None = None):
         import ray
 
         from arpo.ray_utils import init_ray, node_strategy, rank_nodes
@@ -172,11 +175,14 @@ class RayWorkerGroup:
         env = {**(ray.get_runtime_context().runtime_env.get("env_vars") or {}), **allocator_env()}
         remote_cls = ray.remote(CriticWorker if role == "critic" else ActorWorker)
         nnodes = int(cfg_get(self.config, "trainer.nnodes", 1))
-        nodes = rank_nodes(nnodes, self.world_size // nnodes, num_cpus, num_gpus) if world_size is None else None
+        nodes = (rank_nodes(nnodes, self.world_size // nnodes, num_cpus, num_gpus)
+                 if world_size is None and placement is None else None)
         self.workers = []
         for rank in range(self.world_size):
             options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "runtime_env": {"env_vars": env},
                                        "scheduling_strategy": node_strategy(nodes[rank] if nodes else None)}
+            if placement is not None:
+                options.update(placement.rank(rank, num_cpus).options())
             if name_prefix:
                 options["name"] = f"{name_prefix}_{role}_{rank}"
             self.workers.append(remote_cls.options(**options).remote(self.config, role, rank, self.world_size))

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import pytest
 
 from arpo.rollout.branch_slots import CallRates, ForkLookahead, GroupSlots, PendingDecision, canonical
-from arpo.rollout.branching import BranchingConfig, GroupBudget, should_branch
+from arpo.rollout.branching import GroupBudget, should_branch
+from tests.rollout.test_branching import decision_cfg
 
 
 @dataclass
@@ -22,7 +23,7 @@ class Member:
 
 
 def slots_for(members, total, cfg=None, call_limit=3, grant_order="ordered"):
-    cfg = cfg or BranchingConfig(branch_probability=1.0, entropy_weight=0.0)
+    cfg = cfg or decision_cfg(branch_probability=1.0, entropy_weight=0.0)
     lookahead = ForkLookahead(cfg, seed=0, budget=total, call_limit=call_limit, vocab_size=1000)
     budget = GroupBudget(total)
     budget.reserve(len(members))
@@ -44,18 +45,18 @@ def test_canonical_order_puts_forks_after_their_parent_and_fills_last():
 def test_lookahead_counts_the_whole_tree_when_every_draw_can_fork(limit):
     # beam 2, every candidate forks: each decision adds a fork that inherits the decisions after it, so a
     # root with `limit` decisions to come spawns 2^limit - 1 forks (capped at M)
-    cfg = BranchingConfig(branch_probability=1.0, entropy_weight=0.0)
+    cfg = decision_cfg(branch_probability=1.0, entropy_weight=0.0)
     assert ForkLookahead(cfg, 0, 100, limit, 1000).tree_forks(0, ("initial", 0), 0.1, 1) == 2 ** limit - 1
     assert ForkLookahead(cfg, 0, 5, limit, 1000).tree_forks(0, ("initial", 0), 0.1, 1) == min(5, 2 ** limit - 1)
     assert ForkLookahead(cfg, 0, 100, limit, 1000).tree_forks(0, ("initial", 0), 0.1, limit + 1) == 0
-    never = BranchingConfig(branch_probability=0.0, entropy_weight=0.0)
+    never = decision_cfg(branch_probability=0.0, entropy_weight=0.0)
     assert ForkLookahead(never, 0, 100, limit, 1000).tree_forks(0, ("initial", 0), 0.1, 1) == 0
     assert ForkLookahead(cfg, 0, 7, None, 1000).tree_forks(0, ("initial", 0), 0.1, 1) == 7  # no call limit
 
 
 def test_lookahead_uses_the_decisions_own_draws():
     # code rule p 0.5, w 0.2: a candidate can fork iff U - 0.2 * max ΔH <= 0.5; a known h0 narrows ΔH
-    cfg = BranchingConfig(branch_probability=0.5, entropy_weight=0.2)
+    cfg = decision_cfg(branch_probability=0.5, entropy_weight=0.2)
     look = ForkLookahead(cfg, seed=3, budget=50, call_limit=6, vocab_size=1000)
     h_max = look.h_max  # log(11) / log(1000): 11 entries (top 10 + the sampled token)
     assert h_max == pytest.approx(math.log(11) / math.log(1000))
@@ -131,7 +132,7 @@ def simulate_forks(look: ForkLookahead, key: tuple, h0: float, first_depth: int,
 
 @pytest.mark.parametrize("beam, made", [(2, False), (2, True), (3, False)])
 def test_fork_distribution_matches_simulating_who_calls_again(beam, made):
-    cfg = BranchingConfig(beam_size=beam, branch_probability=0.5, entropy_weight=0.2)
+    cfg = decision_cfg(beam_size=beam, branch_probability=0.5, entropy_weight=0.2)
     look = ForkLookahead(cfg, seed=5, budget=50, call_limit=4, vocab_size=1000)
     reach = {1: 0.8, 2: 0.6, 3: 0.5, 4: 0.3}.get
     cap = 6
@@ -144,7 +145,7 @@ def test_fork_distribution_matches_simulating_who_calls_again(beam, made):
 
 @pytest.mark.parametrize("limit", [1, 2, 3])
 def test_fork_distribution_at_the_extremes(limit):
-    every = ForkLookahead(BranchingConfig(branch_probability=1.0, entropy_weight=0.0), 0, 100, limit, 1000)
+    every = ForkLookahead(decision_cfg(branch_probability=1.0, entropy_weight=0.0), 0, 100, limit, 1000)
     # every trajectory calls again and every draw forks: the whole tree, for sure (capped)
     for cap in (3, 10):
         dist = every.fork_distribution(0, ("initial", 0), 0.1, 1, lambda d: 1.0, cap)
@@ -152,15 +153,15 @@ def test_fork_distribution_at_the_extremes(limit):
     # nobody calls again: no fork, unless the first call is already made
     assert every.fork_distribution(0, ("initial", 0), 0.1, 1, lambda d: 0.0, 5)[0] == 1.0
     assert every.fork_distribution(0, ("initial", 0), 0.1, 1, lambda d: 0.0, 5, call_made=True)[1] == 1.0
-    never = ForkLookahead(BranchingConfig(branch_probability=0.0, entropy_weight=0.0), 0, 100, limit, 1000)
+    never = ForkLookahead(decision_cfg(branch_probability=0.0, entropy_weight=0.0), 0, 100, limit, 1000)
     assert never.fork_distribution(0, ("initial", 0), 0.1, 1, lambda d: 1.0, 5)[0] == 1.0
     # no call limit: no bound, so nothing is predicted spare
-    unbounded = ForkLookahead(BranchingConfig(branch_probability=1.0, entropy_weight=0.0), 0, 100, None, 1000)
+    unbounded = ForkLookahead(decision_cfg(branch_probability=1.0, entropy_weight=0.0), 0, 100, None, 1000)
     assert unbounded.fork_distribution(0, ("initial", 0), 0.1, 1, lambda d: 0.5, 5)[5] == 1.0
 
 
 def test_fill_need_is_sure_for_spare_slots_and_falls_with_each_further_fill():
-    cfg = BranchingConfig(branch_probability=0.5, entropy_weight=0.2)
+    cfg = decision_cfg(branch_probability=0.5, entropy_weight=0.2)
     members = [Member(("initial", 0)), Member(("initial", 1), next_depth=2), Member(("initial", 2), next_depth=None)]
     slots, budget = slots_for(members, total=8, cfg=cfg)  # 5 slots left
     need = slots.fill_need(lambda d: 0.5, lambda m: False)
@@ -179,7 +180,7 @@ def test_fill_need_is_sure_for_spare_slots_and_falls_with_each_further_fill():
 
 
 def test_fill_need_counts_waiting_decisions_as_sure_forks():
-    never = BranchingConfig(branch_probability=0.0, entropy_weight=0.0)
+    never = decision_cfg(branch_probability=0.0, entropy_weight=0.0)
     a = Member(("initial", 0), next_depth=2)
     slots, budget = slots_for([a], total=6, cfg=never)  # 5 left; no draw of a or its forks can fork
     slots.pending.append(PendingDecision(a, 1, 2, lambda n: None))
@@ -204,7 +205,7 @@ def test_call_rates_lean_on_the_batch_until_a_group_has_its_own_calls():
 
 
 def test_plan_fills_confirms_the_oldest_speculative_fills_and_drops_the_newest():
-    never = BranchingConfig(branch_probability=0.0, entropy_weight=0.0)
+    never = decision_cfg(branch_probability=0.0, entropy_weight=0.0)
     # no draw can fork: every slot left is a fill's, the 3 speculative ones first
     slots, budget = slots_for([Member(("initial", 0))], total=6, cfg=never)
     plan = slots.plan_fills(3)

@@ -1,5 +1,5 @@
-"""Entropy math (hand-checked), both branching rules, the look-ahead over future draws, config validation and
-the group budget."""
+"""Entropy math (hand-checked), both branching rules, the look-ahead over future draws and the group budget
+(the config's checks: tests/rollout/test_config.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,14 @@ import threading
 
 import pytest
 
-from arpo.rollout.branching import (BranchingConfig, GroupBudget, could_branch, max_window_entropy, should_branch,
-                                    token_entropy, window_entropy)
+from arpo.rollout.branching import (GroupBudget, could_branch, max_window_entropy, should_branch, token_entropy,
+                                    window_entropy)
+from arpo.rollout.config import ARPORolloutConfig
+
+
+def decision_cfg(policy: str = "arpo", penalty: float = 0.05, **branching) -> ARPORolloutConfig:
+    """A rollout config with ``branching`` keys (the section the decision reads), the policy and AEPO's penalty."""
+    return ARPORolloutConfig.from_dict({"policy": policy, "aepo": {"penalty": penalty}, "branching": branching})
 
 
 class FixedRng(random.Random):
@@ -63,15 +69,15 @@ def test_mean_does_not_depend_on_segment_length_but_sum_does():
 
 
 def test_code_rule_boundaries():
-    cfg = BranchingConfig(rule="code", branch_probability=0.5, entropy_weight=0.2)
+    cfg = decision_cfg(rule="code", branch_probability=0.5, entropy_weight=0.2)
     # prob = clip(U - w dH): U=0.55, dH=0 -> 0.55 > 0.5: no branch; dH=0.5 -> 0.45 <= 0.5: branch
     assert not should_branch(cfg, 0.0, FixedRng(0.55))
     assert should_branch(cfg, 0.5, FixedRng(0.55))
     # negative dH lowers the chance: U=0.45, dH=-1 -> 0.65 > 0.5
     assert not should_branch(cfg, -1.0, FixedRng(0.45))
     # clip to [0, 1]: prob below 0 clips to 0 <= p; with p = 0 only a clipped (or zero) prob branches
-    assert should_branch(BranchingConfig(branch_probability=0.0, entropy_weight=1.0), 5.0, FixedRng(0.9))
-    assert not should_branch(BranchingConfig(branch_probability=0.0, entropy_weight=1.0), 0.0, FixedRng(0.9))
+    assert should_branch(decision_cfg(branch_probability=0.0, entropy_weight=1.0), 5.0, FixedRng(0.9))
+    assert not should_branch(decision_cfg(branch_probability=0.0, entropy_weight=1.0), 0.0, FixedRng(0.9))
     # equality branches ("prob <= branch_probability")
     assert should_branch(cfg, 0.0, FixedRng(0.5))
 
@@ -79,7 +85,7 @@ def test_code_rule_boundaries():
 def test_code_rule_rate_matches_branch_probability():
     rng = random.Random(3)
     for p in (0.2, 0.5, 0.8):
-        cfg = BranchingConfig(branch_probability=p, entropy_weight=0.2)
+        cfg = decision_cfg(branch_probability=p, entropy_weight=0.2)
         rate = sum(should_branch(cfg, 0.0, rng) for _ in range(20000)) / 20000
         assert rate == pytest.approx(p, abs=0.015)
         # dH = 0.5 shifts U by w*dH = 0.1: rate p + 0.1
@@ -88,13 +94,13 @@ def test_code_rule_rate_matches_branch_probability():
 
 
 def test_paper_rule_is_deterministic_threshold():
-    cfg = BranchingConfig(rule="paper", paper_alpha=0.5, paper_beta=0.2, paper_tau=0.5)
+    cfg = decision_cfg(rule="paper", paper_alpha=0.5, paper_beta=0.2, paper_tau=0.5)
     rng = FixedRng(0.0)
     assert should_branch(cfg, 0.01, rng)       # 0.502 > 0.5
     assert not should_branch(cfg, 0.0, rng)    # 0.5 > 0.5 is false
     assert not should_branch(cfg, -0.3, rng)
     assert rng.draws == 0                      # no randomness consumed
-    cfg2 = BranchingConfig(rule="paper", paper_alpha=0.2, paper_beta=1.0, paper_tau=0.5)
+    cfg2 = decision_cfg(rule="paper", paper_alpha=0.2, paper_beta=1.0, paper_tau=0.5)
     assert should_branch(cfg2, 0.31, rng) and not should_branch(cfg2, 0.29, rng)
 
 
@@ -129,7 +135,7 @@ def test_max_window_entropy_bounds_every_distribution_and_is_reached():
 def test_could_branch_replays_the_draws_and_covers_every_reachable_delta(rule):
     rng = random.Random(1)
     for _ in range(2000):
-        cfg = BranchingConfig(rule=rule, branch_probability=rng.random(), entropy_weight=rng.uniform(-1, 1),
+        cfg = decision_cfg(rule=rule, branch_probability=rng.random(), entropy_weight=rng.uniform(-1, 1),
                               paper_alpha=rng.random(), paper_beta=rng.uniform(-1, 1), paper_tau=rng.random())
         lo = rng.uniform(-1, 1)
         hi = lo + rng.uniform(0, 1)
@@ -145,22 +151,22 @@ def test_could_branch_replays_the_draws_and_covers_every_reachable_delta(rule):
     if rule == "code":
         # the default rule (p 0.5, w 0.2): U = 0.55 can fork when ΔH reaches 0.5 (0.55 - 0.1 <= 0.5), not when
         # ΔH stays at most 0.2 (0.51); U = 0.4 can whatever ΔH in [-0.1, 0]
-        cfg = BranchingConfig()
+        cfg = decision_cfg()
         assert could_branch(cfg, -0.1, 0.5, FixedRng(0.55)) and not could_branch(cfg, -0.1, 0.2, FixedRng(0.55))
         assert could_branch(cfg, -0.1, 0.0, FixedRng(0.4))
 
 
 def test_aepo_rule_is_the_released_form_damped_after_consecutive_forks():
-    cfg = BranchingConfig(policy="aepo")  # p 0.5, w 0.2, penalty 0.05: fork iff clip((U + w·ΔH)·f) >= p
+    cfg = decision_cfg(policy="aepo")  # p 0.5, w 0.2, penalty 0.05: fork iff clip((U + w·ΔH)·f) >= p
     assert should_branch(cfg, 0.0, FixedRng(0.5)) and not should_branch(cfg, 0.0, FixedRng(0.49))
     assert should_branch(cfg, 0.5, FixedRng(0.41))  # 0.41 + 0.1 >= 0.5: ΔH > 0 raises the chance
     assert should_branch(cfg, 0.0, FixedRng(0.6)) and not should_branch(cfg, 0.0, FixedRng(0.6), streak=4)  # 0.48
     assert not should_branch(cfg, 1.0, FixedRng(0.99), streak=20)  # f = 0
-    assert should_branch(BranchingConfig(), 0.0, FixedRng(0.4), streak=20)  # ARPO ignores the streak
+    assert should_branch(decision_cfg(), 0.0, FixedRng(0.4), streak=20)  # ARPO ignores the streak
     rng = random.Random(0)  # rates: clip(1 - p/f + w·ΔH): 0.5, 0.375, 0
     for streak, rate in ((0, 0.5), (4, 0.375), (10, 0.0)):
         assert sum(should_branch(cfg, 0.0, rng, streak) for _ in range(20000)) / 20000 == pytest.approx(rate, abs=0.015)
-    paper = BranchingConfig(policy="aepo", rule="paper", paper_alpha=0.6, paper_beta=0.0, paper_tau=0.5)
+    paper = decision_cfg(policy="aepo", rule="paper", paper_alpha=0.6, paper_beta=0.0, paper_tau=0.5)
     assert should_branch(paper, 0.0, FixedRng(0.0)) and not should_branch(paper, 0.0, FixedRng(0.0), streak=4)
 
 
@@ -169,7 +175,7 @@ def test_aepo_look_ahead_covers_every_path_history(rule):
     # the look-ahead does not know a future decision's streak: it must say yes whenever some streak could fork
     rng = random.Random(2)
     for _ in range(2000):
-        cfg = BranchingConfig(policy="aepo", rule=rule, aepo_penalty=rng.choice([0.05, 0.3, 1.0]),
+        cfg = decision_cfg(policy="aepo", rule=rule, penalty=rng.choice([0.05, 0.3, 1.0]),
                               branch_probability=rng.random(), entropy_weight=rng.uniform(-1, 1),
                               paper_alpha=rng.uniform(-1, 1), paper_beta=rng.uniform(-1, 1),
                               paper_tau=rng.uniform(-0.5, 1))
@@ -180,20 +186,6 @@ def test_aepo_look_ahead_covers_every_path_history(rule):
         verdicts = [should_branch(cfg, d, random.Random(seed), streak)
                     for d in [lo, hi] + [rng.uniform(lo, hi) for _ in range(3)] for streak in (0, 1, 2, 5, 40)]
         assert possible or not any(verdicts)
-
-
-@pytest.mark.parametrize("key,value,msg", [
-    ("rule", "papr", "rule"), ("timing", "x", "timing"), ("beam_size", 0, "beam_size"),
-    ("branch_probability", 1.5, "branch_probability"), ("entropy_weight", math.nan, "entropy_weight"),
-    ("window", 0, "window"), ("topk_logprobs", 0, "topk_logprobs"), ("entropy_reduction", "avg", "reduction"),
-    ("initial_entropy_scope", "global", "initial_entropy_scope"), ("policy", "tree", "policy"),
-    ("aepo_penalty", -0.1, "aepo_penalty"),
-])
-def test_branching_config_validate_names_the_key(key, value, msg):
-    cfg = BranchingConfig(**{key: value})
-    with pytest.raises(ValueError, match=msg):
-        cfg.validate()
-    assert BranchingConfig().validate().window == 20
 
 
 def test_group_budget_never_exceeds_total():

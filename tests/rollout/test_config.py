@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ def test_yaml_documents_every_key_with_the_dataclass_defaults():
         for sub in value if isinstance(value, dict) else ():
             assert "#" in next(ln for ln in lines[start:] if ln.startswith(f"  {sub}:")), f"{key}.{sub}"
     cfg = ARPORolloutConfig.from_dict(loaded)
-    assert cfg.num_initial == 8 and cfg.decision().window == 20 and cfg.decision().entropy_reduction == "mean"
+    assert cfg.num_initial == 8 and cfg.entropy.window == 20 and cfg.entropy.reduction == "mean"
 
 
 def test_each_section_has_at_most_eight_keys():
@@ -58,6 +59,18 @@ def test_nested_and_dotted_keys_give_the_same_config_and_updates_keep_the_rest()
     ({"aepo.pre_monitoring": True}, "arpo.aepo.pre_monitoring=True: true only with actor_rollout_ref.rollout.arpo"
                                     ".policy=aepo"),
     ({"sampling.top_k": 0}, "arpo.sampling.top_k=0: use -1 (off) or an integer >= 1"),
+    # the branching decision's keys (read by arpo/rollout/branching.py, which trusts these checks)
+    ({"policy": "tree"}, "arpo.policy='tree': use one of ('arpo', 'aepo', 'tree_grpo')"),
+    ({"branching.timing": "x"}, "arpo.branching.timing='x': use one of ('code', 'paper')"),
+    ({"branching.beam_size": 0}, "arpo.branching.beam_size=0: use an integer >= 1"),
+    ({"branching.branch_probability": 1.5}, "arpo.branching.branch_probability=1.5: use a probability in [0, 1]"),
+    ({"branching.entropy_weight": math.nan}, "arpo.branching.entropy_weight=nan: use a finite number"),
+    ({"branching.paper_tau": "0.5"}, "arpo.branching.paper_tau='0.5': use a finite number"),
+    ({"entropy.window": 0}, "arpo.entropy.window=0: use an integer >= 1"),
+    ({"entropy.topk_logprobs": 0}, "arpo.entropy.topk_logprobs=0: use an integer >= 1"),
+    ({"entropy.reduction": "avg"}, "arpo.entropy.reduction='avg': use one of ('mean', 'sum')"),
+    ({"entropy.initial_scope": "global"}, "arpo.entropy.initial_scope='global': use one of"),
+    ({"aepo.penalty": -0.1}, "arpo.aepo.penalty=-0.1: use a number >= 0"),
 ])
 def test_a_bad_key_or_value_is_one_line_naming_the_full_key(values, message):
     with pytest.raises(ValueError) as err:

@@ -1,0 +1,97 @@
+"""GPU placement (arpo/placement.py): the plan's arithmetic, and real placement groups on a Ray cluster of logical
+GPUs (no GPU needed): colocated ranks and engine share a GPU, split engines hold their own, a cluster too small is
+one clear error. The trainer end to end on logical GPUs: tests/test_main_arpo.py (the DAPO run on two nodes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from arpo.config import REPO_ROOT
+from arpo.placement import PlacementPlan
+
+
+def plan(**kw) -> PlacementPlan:
+    values = dict(roles=("actor", "ref"), nnodes=1, gpus_per_node=2, cpus_per_rank=1.0, replicas=1,
+                  tensor_parallel=1, hybrid=True)
+    return PlacementPlan(**{**values, **kw}).validate()
+
+
+def test_colocated_bundles_hold_every_role_and_an_engine():
+    p = plan(roles=("actor", "ref", "critic"))
+    assert p.share == 0.25  # actor, ref, critic and the engine share each GPU
+    assert p.training_bundles(0) == [{"GPU": 1.0, "CPU": 4.0}, {"GPU": 1.0, "CPU": 3.0}]  # the engine in bundle 0
+    assert p.engine_bundles() == [] and p.gpus_needed() == 2
+    assert plan(roles=("actor", "ref")).share == 0.3333  # three sharers: Ray counts GPU fractions to 1e-4
+
+
+def test_split_engines_get_gpus_of_their_own():
+    p = plan(hybrid=False, replicas=2, tensor_parallel=2)
+    assert p.share == 0.5 and p.training_bundles(0) == [{"GPU": 1.0, "CPU": 2.0}] * 2
+    assert p.engine_bundles() == [{"GPU": 2.0, "CPU": 1.0}] * 2 and p.gpus_needed() == 6
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"tensor_parallel": 2}, "hybrid_engine=true runs each engine replica in one training GPU's bundle, so "
+                             "actor_rollout_ref.rollout.tensor_model_parallel_size=2 cannot be placed"),
+    ({"replicas": 3}, "actor_rollout_ref.rollout.num_replicas=3 colocated engine replicas need as many training GPUs"),
+])
+def test_a_plan_that_cannot_be_colocated_names_the_keys(kw, message):
+    with pytest.raises(ValueError, match=message):
+        plan(**kw)
+
+
+PROBE = r"""
+import json, sys
+import ray
+import arpo.placement as pl
+from arpo.placement import GpuPlacement, PlacementPlan
+
+ray.init(num_cpus=8, num_gpus=3, include_dashboard=False, log_to_driver=False)
+
+@ray.remote
+class Probe:
+    def where(self):
+        return [str(g) for g in ray.get_gpu_ids()]
+
+def placed(hybrid):
+    p = PlacementPlan(("actor", "ref"), 1, 2, 1.0, 1, 1, hybrid).validate()
+    g = GpuPlacement(p, None)
+    probes = {f"{role}{r}": Probe.options(**g.rank(r, 1.0).options()).remote() for role in p.roles for r in range(2)}
+    probes["engine0"] = Probe.options(**g.engine(0).options()).remote()
+    out = {k: ray.get(v.where.remote()) for k, v in probes.items()}
+    for v in probes.values():
+        ray.kill(v)
+    g.remove()
+    return {"gpus": out, "describe": g.describe()}
+
+result = {"colocated": placed(True), "split": placed(False)}
+pl.READY_TIMEOUT_S = 2
+try:
+    GpuPlacement(PlacementPlan(("actor",), 1, 4, 1.0, 1, 1, True), None)
+except ValueError as e:
+    result["error"] = str(e)
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.slow
+def test_placement_groups_on_logical_gpus():
+    r = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "RAY_USAGE_STATS_ENABLED": "0"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    colocated, split = out["colocated"]["gpus"], out["split"]["gpus"]
+    # colocated: rank r of each role on GPU r, the engine on rank 0's GPU; 3 logical GPUs, 2 used
+    assert colocated["actor0"] == colocated["ref0"] == colocated["engine0"] and len(colocated["actor0"]) == 1
+    assert colocated["actor1"] == colocated["ref1"] != colocated["actor0"]
+    assert "colocated (hybrid engine)" in out["colocated"]["describe"]
+    # split: the engine on the third GPU, alone
+    assert split["actor0"] == split["ref0"] and split["actor1"] == split["ref1"] != split["actor0"]
+    assert split["engine0"] not in (split["actor0"], split["actor1"]) and "split" in out["split"]["describe"]
+    assert out["error"].startswith("the Ray cluster cannot hold the run's GPUs within 2 s: it needs 4 (1 node(s) x 4 "
+                                   "training GPUs), the cluster has 3")
