@@ -113,6 +113,10 @@ class GpuPlacement:
         from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group
 
         self.plan = plan
+        have = ray.cluster_resources().get("GPU", 0.0)
+        if have < plan.gpus_needed():
+            raise ValueError(f"the Ray cluster has {have:g} GPU(s), fewer than the run's {self._needs()}: add GPUs or "
+                             f"lower trainer.n_gpus_per_node / actor_rollout_ref.rollout.num_replicas")
         self.training = []
         for n in range(plan.nnodes):
             bundles = plan.training_bundles(n)
@@ -125,12 +129,15 @@ class GpuPlacement:
         ready, _ = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=READY_TIMEOUT_S)
         if len(ready) < len(groups):
             self.remove()
-            raise ValueError(f"the Ray cluster cannot hold the run's GPUs within {READY_TIMEOUT_S:.0f} s: it needs "
-                             f"{plan.gpus_needed()} ({plan.nnodes} node(s) x {plan.gpus_per_node} training GPUs"
-                             f"{'' if plan.hybrid else f' + {plan.replicas} engine replica(s) x {plan.tensor_parallel}'}"
-                             f"), the cluster has {ray.cluster_resources().get('GPU', 0):g}: add GPUs or lower "
-                             f"trainer.n_gpus_per_node / actor_rollout_ref.rollout.num_replicas")
+            raise ValueError(f"the Ray cluster could not place the run's {self._needs()} within "
+                             f"{READY_TIMEOUT_S:.0f} s (free GPUs per node too few, or taken by other jobs): free "
+                             f"them, or lower trainer.n_gpus_per_node / actor_rollout_ref.rollout.num_replicas")
         logger.info("GPU placement: %s", self.describe())
+
+    def _needs(self) -> str:
+        p = self.plan
+        split = "" if p.hybrid else f" + {p.replicas} engine replica(s) x {p.tensor_parallel}"
+        return f"{p.gpus_needed()} GPUs ({p.nnodes} node(s) x {p.gpus_per_node} training GPUs{split})"
 
     def rank(self, rank: int, num_cpus: float) -> Slot:
         """Training rank ``rank`` of any role: its GPU's bundle, a share of the GPU."""

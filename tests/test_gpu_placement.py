@@ -48,6 +48,7 @@ def test_a_plan_that_cannot_be_colocated_names_the_keys(kw, message):
 PROBE = r"""
 import json, sys
 import ray
+from ray.util.placement_group import placement_group
 import arpo.placement as pl
 from arpo.placement import GpuPlacement, PlacementPlan
 
@@ -70,11 +71,17 @@ def placed(hybrid):
     return {"gpus": out, "describe": g.describe()}
 
 result = {"colocated": placed(True), "split": placed(False)}
-pl.READY_TIMEOUT_S = 2
-try:
+try:  # 4 GPUs on a cluster of 3
     GpuPlacement(PlacementPlan(("actor",), 1, 4, 1.0, 1, 1, True), None)
 except ValueError as e:
-    result["error"] = str(e)
+    result["too_few"] = str(e)
+pl.READY_TIMEOUT_S = 2
+try:  # enough GPUs in all, but another job holds 2 of the 3
+    blocker = placement_group([{"GPU": 2.0}])
+    ray.get(blocker.ready())
+    GpuPlacement(PlacementPlan(("actor",), 1, 2, 1.0, 1, 1, True), None)
+except ValueError as e:
+    result["not_placed"] = str(e)
 print(json.dumps(result))
 """
 
@@ -82,7 +89,8 @@ print(json.dumps(result))
 @pytest.mark.slow
 def test_placement_groups_on_logical_gpus():
     r = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "RAY_USAGE_STATS_ENABLED": "0"})
+                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "RAY_USAGE_STATS_ENABLED": "0",
+                            "RAY_AUTH_MODE": "disabled"})
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     colocated, split = out["colocated"]["gpus"], out["split"]["gpus"]
@@ -93,5 +101,7 @@ def test_placement_groups_on_logical_gpus():
     # split: the engine on the third GPU, alone
     assert split["actor0"] == split["ref0"] and split["actor1"] == split["ref1"] != split["actor0"]
     assert split["engine0"] not in (split["actor0"], split["actor1"]) and "split" in out["split"]["describe"]
-    assert out["error"].startswith("the Ray cluster cannot hold the run's GPUs within 2 s: it needs 4 (1 node(s) x 4 "
-                                   "training GPUs), the cluster has 3")
+    assert out["too_few"] == ("the Ray cluster has 3 GPU(s), fewer than the run's 4 GPUs (1 node(s) x 4 training "
+                              "GPUs): add GPUs or lower trainer.n_gpus_per_node / actor_rollout_ref.rollout.num_replicas")
+    assert out["not_placed"].startswith("the Ray cluster could not place the run's 2 GPUs (1 node(s) x 2 training "
+                                        "GPUs) within 2 s (free GPUs per node too few, or taken by other jobs)")
