@@ -47,7 +47,7 @@ def test_notebook_draws_every_figure_from_the_committed_smollm2_ablation(monkeyp
     cells = _outputs(nb)
     assert not any(o.output_type == "error" for outputs in cells for o in outputs)
     setup, curves, table, entropy, branching, soft_hard = cells[1:]
-    assert "variants ['arpo_hard', 'arpo_soft', 'grpo'], seeds [0, 1]" in _text(setup)
+    assert "variants ['arpo_hard', 'arpo_soft', 'grpo'], seeds [0, 1, 2]" in _text(setup)
     assert _images(curves) == 1
     assert any("Val reward" in o.get("data", {}).get("text/markdown", "") for o in table)
     assert _images(entropy) == 1 and any("text/html" in o.get("data", {}) for o in entropy)  # curve + table
