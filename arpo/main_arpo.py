@@ -180,10 +180,10 @@ def _start_engine_and_workers(cfg: DictConfig, create_engines, worker_group) -> 
     sizes its KV cache from the memory free while it profiles, which ranks loading beside it would change."""
     import ray
 
-    roles = worker_groups(cfg)
-    placement = gpu_placement(cfg, roles) if ray.cluster_resources().get("GPU", 0) > 0 else None
     from arpo.engine.config import default_device
 
+    roles = worker_groups(cfg)
+    placement = gpu_placement(cfg, roles) if ray.cluster_resources().get("GPU", 0) > 0 else None
     device = cfg.trainer.device
     if device == "cuda" or (device == "auto" and placement is not None and default_device() == "cuda"):
         engines = create_engines(cfg, placement=placement)

@@ -102,6 +102,7 @@ def test_placement_groups_on_logical_gpus():
     assert split["actor0"] == split["ref0"] and split["actor1"] == split["ref1"] != split["actor0"]
     assert split["engine0"] not in (split["actor0"], split["actor1"]) and "split" in out["split"]["describe"]
     assert out["too_few"] == ("the Ray cluster has 3 GPU(s), fewer than the run's 4 GPUs (1 node(s) x 4 training "
-                              "GPUs): add GPUs or lower trainer.n_gpus_per_node / actor_rollout_ref.rollout.num_replicas")
+                              "GPUs): add GPUs or lower trainer.n_gpus_per_node / "
+                              "actor_rollout_ref.rollout.num_replicas")
     assert out["not_placed"].startswith("the Ray cluster could not place the run's 2 GPUs (1 node(s) x 2 training "
                                         "GPUs) within 2 s (free GPUs per node too few, or taken by other jobs)")

@@ -89,7 +89,8 @@ class ForkLookahead:
         if memo not in self._wants:
             lo, hi = self.delta_range(h0)
             rng = self.rng(group, key, depth)
-            self._wants[memo] = sum(could_branch(self.cfg, lo, hi, rng) for _ in range(self.cfg.branching.beam_size - 1))
+            candidates = self.cfg.branching.beam_size - 1
+            self._wants[memo] = sum(could_branch(self.cfg, lo, hi, rng) for _ in range(candidates))
         return self._wants[memo]
 
     def tree_forks(self, group: int, key: tuple, h0: float | None, first_depth: int) -> int:
