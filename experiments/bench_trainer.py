@@ -1,4 +1,5 @@
-"""Trainer step time and memory: old log-probs, the PPO update and the weight push on FSDP2 ranks (Ray actors).
+"""Trainer step time and memory: old log-probs, the PPO update and the weight push on FSDP2 ranks (Ray actors, or
+one rank in this process with ``--no-ray``).
 
 Settings (``--settings all``): one rank with all ``--cpus`` threads, one rank with ``--cpus / --ranks`` threads,
 and ``--ranks`` FSDP2 ranks with ``--cpus / --ranks`` threads each, plus the largest parameter difference
@@ -9,7 +10,8 @@ configs/trainer/actor.yaml's (bf16, gradient checkpointing).
 
 Per setting: the median wall and CPU seconds (of the busiest rank) of each phase over ``--steps`` timed steps
 (after ``--warmup`` steps), and per rank the peak resident memory of each phase (VmHWM, reset before every
-phase) and of loading the model. On a machine shared with other jobs the CPU seconds are the comparable number.
+phase) and of loading the model; on a GPU also the peak allocated GPU memory of each phase. On a machine shared
+with other jobs the CPU seconds are the comparable number.
 Prints one JSON object on stdout and nothing else: a progress line per ``--micro`` value, logs and the Ray
 workers' output go to stderr.
 
@@ -23,6 +25,9 @@ workers' output go to stderr.
     ... --system 105 --set actor_rollout_ref.model.share_prefix=false   # a shared system prompt, run per row
     ... --trees experiments/results/smollm2_advantage/rollouts/arpo_soft.jsonl --prompt-len 200 \
         --set actor_rollout_ref.model.tree_packing=true|false
+    python experiments/bench_trainer.py --model CONFIG_DIR --random-init --no-ray --ranks 1 --settings multi \
+        --device cuda ...                                     # one GPU, no Ray: the checkpoint's architecture with
+                                                              # random weights (CONFIG_DIR: config.json, tokenizer)
         # ARPO trees: each group's shape (forks, lengths, tool results) from a rollout dump, random token ids;
         # reports the batch's packed (unique) and total tokens
     python experiments/bench_trainer.py --model /tmp/smollm2-hf --numerics --text README.md --rows 4 \
@@ -57,6 +62,43 @@ def build_default_model(work: Path) -> Path:
 
     paths = generate(work / "synthetic", seed=0, sizes={"train": 300, "val": 8, "test": 8})
     return build_tiny_model(work / "model", [paths["train"], paths["corpus"]], seed=0)
+
+
+def random_init_model(source: Path, out: Path) -> Path:
+    """``source``'s architecture with freshly initialised weights, saved (with its tokenizer files) at ``out``."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(source)), dtype=torch.float32).save_pretrained(out)
+    for f in source.iterdir():
+        if f.is_file() and not (out / f.name).exists() and f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def write_profile(profiler, kernels, path: Path) -> None:
+    """The Python profile's 40 costliest functions by own and by cumulative time, then torch's operators by
+    device time (by CPU time without a GPU), as text."""
+    import io
+    import pstats
+
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text).strip_dirs()
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(40)
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    text.write(kernels.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=60))
+    path.write_text(text.getvalue())
+
+
+def device_name(device: str) -> str:
+    if device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    import platform
+
+    return platform.processor() or platform.machine()
 
 
 def length_range(text: str) -> tuple[int, int]:
@@ -244,25 +286,38 @@ def config(model: Path, ranks: int, cpus_per_rank: float, micro: int, args) -> d
     return cfg
 
 
-def _rank_stats(group) -> tuple[list[float], list[float]]:
-    """Per rank: peak RSS (MiB) since the last call (which resets it), and CPU seconds so far."""
+def _rank_stats(group) -> tuple[list[float], list[float], list[float]]:
+    """Per rank: peak RSS and peak allocated GPU memory (MiB, 0 on CPU) since the last call (which resets
+    them), and CPU seconds so far."""
     stats = group.execute_all("memory_stats", True)
-    return [round(s["peak_rss_mb"], 1) for s in stats], [s["cpu_s"] for s in stats]
+    return ([round(s["peak_rss_mb"], 1) for s in stats], [round(s.get("peak_gpu_mb", 0.0), 1) for s in stats],
+            [s["cpu_s"] for s in stats])
 
 
 def run_setting(model: Path, ranks: int, cpus_per_rank: float, micro: int, batch, args) -> dict:
-    from arpo.trainer.worker_group import RayWorkerGroup
+    from arpo.trainer.worker_group import LocalWorkerGroup, RayWorkerGroup
 
     t0 = time.perf_counter()
-    group = RayWorkerGroup(config(model, ranks, cpus_per_rank, micro, args), role="actor")
+    cfg = config(model, ranks, cpus_per_rank, micro, args)
+    group = LocalWorkerGroup(cfg) if args.no_ray else RayWorkerGroup(cfg, role="actor")
     start_s = time.perf_counter() - t0
     seconds: dict[str, list[float]] = {p: [] for p in PHASES}
     cpu_seconds: dict[str, list[float]] = {p: [] for p in PHASES}
-    load_peaks, cpu_before = _rank_stats(group)
+    load_peaks, load_gpu, cpu_before = _rank_stats(group)
     peaks: dict[str, list[float]] = {"load": load_peaks}
+    gpu_peaks: dict[str, list[float]] = {"load": load_gpu}
     phases = [p for p in PHASES if not (args.on_policy and p == "old_log_prob")]
+    profiler = None
     try:
         for step in range(args.warmup + args.steps):
+            if args.profile and step == args.warmup:  # the timed steps only
+                import cProfile
+
+                profiler = cProfile.Profile()
+                profiler.enable()
+                kernels = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+                    [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []))
+                kernels.__enter__()
             train = batch
             for phase in phases:
                 t0 = time.perf_counter()
@@ -270,29 +325,39 @@ def run_setting(model: Path, ranks: int, cpus_per_rank: float, micro: int, batch
                     train = batch.index(slice(0, len(batch)))
                     train.tensors["old_log_probs"] = group.compute_log_prob(batch)["log_probs"]
                 elif phase == "update_policy":
-                    group.update_policy(train)
+                    metrics = group.update_policy(train)
                 else:
                     group.engine_weights()  # rank 0 gathers the state dict into Ray's object store
                 elapsed = time.perf_counter() - t0
-                step_peaks, cpu_after = _rank_stats(group)
+                step_peaks, step_gpu, cpu_after = _rank_stats(group)
                 if step >= args.warmup:  # warm-up steps pay one-off allocation and autograd set-up
                     seconds[phase].append(elapsed)
                     cpu_seconds[phase].append(max(a - b for a, b in zip(cpu_after, cpu_before)))
                 cpu_before = cpu_after
                 peaks[phase] = [max(a, b) for a, b in zip(peaks.get(phase, step_peaks), step_peaks)]
+                gpu_peaks[phase] = [max(a, b) for a, b in zip(gpu_peaks.get(phase, step_gpu), step_gpu)]
         params = group.full_parameters() if args.settings == "all" else {}
     finally:
+        if profiler is not None:
+            profiler.disable()
+            kernels.__exit__(None, None, None)
+            write_profile(profiler, kernels, args.profile.with_suffix(f".micro{micro}.txt"))
         group.shutdown()
     out = {"ranks": ranks, "cpus_per_rank": cpus_per_rank, "micro": micro, "start_s": round(start_s, 2)}
     for phase in phases:
         out[f"{phase}_s"] = round(statistics.median(seconds[phase]), 3)
     out["step_s"] = round(sum(out[f"{p}_s"] for p in phases), 3)
+    # finite loss and gradient: the update ran, not just took time
+    out["last_update"] = {k: round(float(metrics[k]), 6) for k in ("actor/pg_loss", "actor/grad_norm") if k in metrics}
     # The busiest rank's CPU seconds: the wall time this work takes on an otherwise idle machine.
     for phase in phases:
         out[f"{phase}_cpu_s"] = round(statistics.median(cpu_seconds[phase]), 3)
     out["step_cpu_s"] = round(sum(out[f"{p}_cpu_s"] for p in phases), 3)
     out["peak_rss_mb_per_rank"] = peaks
     out["peak_rss_mb_max"] = max(max(v) for v in peaks.values())
+    if any(any(v) for v in gpu_peaks.values()):
+        out["peak_gpu_mb_per_rank"] = gpu_peaks
+        out["peak_gpu_mb_max"] = max(max(v) for v in gpu_peaks.values())
     out["_params"] = params
     return out
 
@@ -319,9 +384,21 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=256, help="logprob_chunk_size for --numerics")
     p.add_argument("--sample", type=int, default=0, metavar="TOKENS",
                    help="--numerics: sample this many response tokens from the model (on-policy tokens)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="trainer.device: cpu | cuda | auto")
+    p.add_argument("--no-ray", action="store_true", help="one rank in this process (LocalWorkerGroup), no Ray: "
+                   "needs --ranks 1 --settings multi")
+    p.add_argument("--profile", type=Path, default=None, metavar="PATH", help="with --no-ray: cProfile the timed "
+                   "steps into PATH.micro<N>.txt (Python-side cost: where a GPU waits on the CPU)")
+    p.add_argument("--random-init", action="store_true", help="--model's architecture (its config.json and "
+                   "tokenizer) with random weights: timing where the checkpoint is not at hand")
     p.add_argument("--cpus", type=int, default=os.cpu_count() or 2, help="CPUs to share among the ranks")
     args = p.parse_args()
+    if args.no_ray and (args.ranks != 1 or args.settings != "multi"):
+        p.error("--no-ray runs one rank: add --ranks 1 --settings multi")
+    if args.profile and not args.no_ray:
+        p.error("--profile needs --no-ray (the ranks are other processes otherwise)")
+    if args.random_init and not args.model:
+        p.error("--random-init needs --model (a directory with config.json and the tokenizer)")
     from arpo.logging_utils import json_stdout, setup_logging
 
     out = json_stdout()
@@ -329,11 +406,11 @@ def main() -> None:
     setup_logging()  # console on stderr
     from transformers import AutoConfig
 
-    from arpo.ray_utils import init_ray
-
     results = []
     with tempfile.TemporaryDirectory() as work:
         model = args.model or build_default_model(Path(work))
+        if args.random_init:
+            model = random_init_model(model, Path(work) / "random_init")
         vocab = AutoConfig.from_pretrained(str(model)).vocab_size
         args.group_size = 2
         if args.trees:
@@ -350,7 +427,10 @@ def main() -> None:
                               "sampled_response_len": args.sample, **token_counts(batch),
                               **numerics(model, batch, args.chunk, args.sample)}, indent=2), file=out, flush=True)
             return
-        init_ray({"num_cpus": args.cpus, "object_store_memory": 200 * 1024 * 1024})
+        if not args.no_ray:
+            from arpo.ray_utils import init_ray
+
+            init_ray({"num_cpus": args.cpus, "object_store_memory": 200 * 1024 * 1024})
         for micro in (int(m) for m in args.micro.split(",")):
             entry: dict = {"micro": micro}
             if args.settings == "all":
@@ -371,7 +451,9 @@ def main() -> None:
             results.append(entry)
             print(json.dumps(entry), file=sys.stderr, flush=True)  # progress: one line per micro size
     print(json.dumps({
-        "bench": "trainer_step", "device": args.device, "model": str(args.model or "tiny (built)"),
+        "bench": "trainer_step", "device": args.device, "device_name": device_name(args.device),
+        "model": str(args.model or "tiny (built)"), "random_init": args.random_init, "no_ray": args.no_ray,
+        "torch": torch.__version__,
         "rows": args.rows, "prompt_len": list(args.prompt_len), "system": args.system,
         "response_len": list(args.response_len), "trees": str(args.trees) if args.trees else None,
         **token_counts(batch),

@@ -8,6 +8,7 @@ tests/rollout/test_bench_arpo_rollout.py; here is its run on real vLLM, whose lo
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -145,6 +146,19 @@ def test_bench_arpo_rollout_vllm(tiny_model_dir):
     for mode in ("arpo", "single"):
         assert result[mode]["tokens/generated"] > 0 and result[mode]["wall_s_min"] > 0
     assert result["arpo_over_single_wall"] > 0
+
+
+def test_bench_trainer_runs_one_rank_without_ray_on_random_weights(tiny_model_dir, tmp_path):
+    """What experiments/bench_gpu.sh runs on a bare GPU machine (no Ray there): one in-process FSDP2 rank on the
+    checkpoint's architecture with random weights, profiled; one-row groups batched by the micro size."""
+    result = run_bench("bench_trainer.py", "--model", tiny_model_dir, "--random-init", "--no-ray", "--ranks", 1,
+                       "--settings", "multi", "--rows", 4, "--prompt-len", 8, "--response-len", 12, "--steps", 1,
+                       "--warmup", 0, "--micro", 2, "--profile", tmp_path / "prof")
+    run = result["results"][0]["fsdp2_1_ranks"]
+    assert result["no_ray"] and result["random_init"] and run["update_policy_s"] > 0
+    assert all(map(math.isfinite, run["last_update"].values())) and run["last_update"]["actor/grad_norm"] > 0
+    profile = (tmp_path / "prof.micro2.txt").read_text()
+    assert "ppo_update" in profile and "Self CPU time total" in profile
 
 
 def test_bench_trainer_numerics(tiny_model_dir):

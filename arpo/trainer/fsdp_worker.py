@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from arpo.batch import DataBatch
 from arpo.engine.weights import for_transport
-from arpo.trainer.actor_config import cfg_get, rollout_temperature
+from arpo.trainer.actor_config import cfg_get, rollout_temperature, tree_packing_enabled
 from arpo.trainer.actor_update import METRIC_KEYS, full_tensor, micro_batch_order, ppo_update, split_rows
 from arpo.trainer.device import cpu_has_native_bf16, device_settings_from_config
 from arpo.trainer.logprobs import DEFAULT_CHUNK_SIZE, compute_logprobs_and_entropy
@@ -80,7 +80,7 @@ class ActorWorker:
         # the tokens every row of a micro-batch begins with (the system prompt) run once; fast layout only
         self.share_prefix = bool(cfg_get(config, "actor_rollout_ref.model.share_prefix", True))
         # a prompt group's tree as one sequence (tree_packing.py), when the worker group sends the tree columns
-        self.tree_packing = bool(cfg_get(config, "actor_rollout_ref.model.tree_packing", True))
+        self.tree_packing = tree_packing_enabled(config, self.settings.device_type)
         self.model: Any = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -211,12 +211,19 @@ class ActorWorker:
 
     def micro_batches(self, batch: DataBatch, micro_size: int) -> list[torch.Tensor]:
         """Row indices of each micro-batch: one tree each when packing trees (pad rows left out; a tree over
-        MAX_PACKED_TOKENS in runs of ``micro_size`` rows), else ``micro_size`` rows (of similar length in the fast
-        layout)."""
+        MAX_PACKED_TOKENS in runs of ``micro_size`` rows; one-row trees, which share nothing, together in runs of
+        ``micro_size`` rows after the trees), else ``micro_size`` rows (of similar length in the fast layout)."""
         if self.packs_trees(batch):
-            return [rows[sl] for rows in tree_micro_batches(batch)
-                    for sl in ([slice(None)] if unique_token_count(batch, rows.tolist()) <= MAX_PACKED_TOKENS
-                               else split_rows(len(rows), micro_size))]
+            trees = tree_micro_batches(batch)
+            micros = [rows[sl] for rows in trees if len(rows) > 1
+                      for sl in ([slice(None)] if unique_token_count(batch, rows.tolist()) <= MAX_PACKED_TOKENS
+                                 else split_rows(len(rows), micro_size))]
+            # one forward per lone row would leave a GPU idle; their micro-batch runs padded (pack_micro_batch
+            # declines rows with different prompts)
+            lone = torch.cat([rows for rows in trees if len(rows) == 1] or [torch.zeros(0, dtype=torch.long)])
+            if self.settings.fast_layout:
+                lone = lone[micro_batch_order(batch["attention_mask"][lone])]
+            return micros + [lone[sl] for sl in split_rows(len(lone), micro_size)]
         order = (micro_batch_order(batch["attention_mask"]) if self.settings.fast_layout
                  else torch.arange(len(batch)))
         return [order[sl] for sl in split_rows(len(batch), micro_size)]
@@ -413,8 +420,13 @@ class ActorWorker:
 
     def memory_stats(self, reset_peak: bool = False) -> dict[str, float]:
         """This rank's resident memory now and at its peak (MiB) and CPU seconds, see
-        :func:`arpo.trainer.memory.memory_stats`."""
-        return {"rank": self.rank, **memory_stats(reset_peak)}
+        :func:`arpo.trainer.memory.memory_stats`; on a GPU also its peak allocated GPU memory (MiB)."""
+        out = {"rank": self.rank, **memory_stats(reset_peak)}
+        if self.device.type == "cuda":
+            out["peak_gpu_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+            if reset_peak:
+                torch.cuda.reset_peak_memory_stats(self.device)
+        return out
 
     def shutdown(self) -> None:
         if dist.is_initialized():

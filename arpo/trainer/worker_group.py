@@ -1,5 +1,6 @@
 """N :class:`~arpo.trainer.fsdp_worker.ActorWorker` ranks (for the critic,
-:class:`~arpo.trainer.critic_worker.CriticWorker`) as Ray actors, called together.
+:class:`~arpo.trainer.critic_worker.CriticWorker`) as Ray actors, called together (:class:`RayWorkerGroup`),
+or one rank in this process without Ray (:class:`LocalWorkerGroup`).
 
 Every model method is a collective (FSDP2 all-gathers parameters in each forward), so a call goes to *all*
 actors at once and is awaited with one ``ray.get([...])``; calling rank by rank would deadlock gloo/nccl.
@@ -26,7 +27,8 @@ import torch
 
 from arpo.batch import DataBatch
 from arpo.placement import GpuPlacement
-from arpo.trainer.actor_config import cfg_get, mini_batch_rows, to_plain, world_size as config_world_size
+from arpo.trainer.actor_config import (cfg_get, mini_batch_rows, to_plain, tree_packing_enabled,
+                                      world_size as config_world_size)
 from arpo.trainer.memory import allocator_env
 from arpo.trainer.tree_packing import tree_columns, tree_micro_batches, unique_token_count
 
@@ -144,7 +146,95 @@ def _tensors_only(batch: DataBatch) -> DataBatch:
     return DataBatch(dict(batch.tensors), {}, dict(batch.meta))
 
 
-class RayWorkerGroup:
+class WorkerGroup:
+    """The trainer's calls on N ranks of one role: batches split by rank, results gathered in row order.
+
+    Subclasses say how a call reaches the ranks (:meth:`execute_all`, :meth:`execute_split`)."""
+
+    config: dict
+    role: str
+    world_size: int
+    init_info: list[dict]
+
+    def execute_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``method(*args, **kwargs)`` on every rank together; results in rank order."""
+        raise NotImplementedError
+
+    def execute_split(self, method: str, shares: list[Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``method(shares[r], *args, **kwargs)`` on rank r, all ranks together."""
+        raise NotImplementedError
+
+    # -- the trainer's calls ----------------------------------------------------------------------------
+
+    def _balance(self) -> bool:
+        """Deal rows to ranks by length, except in the exact mode (see DeviceSettings.fast_layout)."""
+        return bool(self.init_info[0].get("fast_layout", False))
+
+    def _packs_trees(self) -> bool:
+        device_type = str(self.init_info[0].get("device", "cpu")).split(":")[0]
+        return self.role != "critic" and tree_packing_enabled(self.config, device_type)
+
+    def _with_trees(self, batch: DataBatch) -> DataBatch:
+        out = _tensors_only(batch)
+        out.tensors.update(tree_columns(batch))
+        return out
+
+    def compute_log_prob(self, batch: DataBatch, calc_entropy: bool | None = None) -> dict[str, torch.Tensor]:
+        """``{"log_probs": (B, T)}`` (+ ``"entropy"``; by default for the actor role) in ``batch`` row order;
+        see :meth:`ActorWorker.compute_log_prob`."""
+        if self._packs_trees():
+            shares = split_trees_for_ranks(self._with_trees(batch), self.world_size)
+            results = self.execute_split("compute_log_prob", shares, calc_entropy=calc_entropy)
+            return gather_rows(results, [s["is_pad"] for s in shares], [s["row_index"] for s in shares])
+        balance = self._balance()
+        shares, _ = split_for_ranks(_tensors_only(batch), self.world_size, balance=balance)
+        results = self.execute_split("compute_log_prob", shares, calc_entropy=calc_entropy)
+        return gather_rows(results, [s["is_pad"] for s in shares],
+                           [s["row_index"] for s in shares] if balance else None)
+
+    def update_policy(self, batch: DataBatch) -> dict[str, float]:
+        """One PPO update on ``batch`` (see :meth:`ActorWorker.update_policy`); returns verl's metrics."""
+        if self._packs_trees():
+            shares = split_trees_for_ranks(self._with_trees(batch), self.world_size, mini_batch_rows(self.config))
+            return self.execute_split("update_policy", shares)[0]
+        shares, per_rank = split_for_ranks(_tensors_only(batch), self.world_size, mini_batch_rows(self.config),
+                                           balance=self._balance())
+        for s in shares:
+            s.meta["mini_batch_rows_per_rank"] = per_rank
+        return self.execute_split("update_policy", shares)[0]
+
+    def compute_values(self, batch: DataBatch) -> dict[str, torch.Tensor]:
+        """``{"values": (B, T)}`` of the critic in ``batch`` row order (:meth:`CriticWorker.compute_values`)."""
+        shares, _ = split_for_ranks(_tensors_only(batch), self.world_size)
+        results = self.execute_split("compute_values", shares)
+        return gather_rows(results, [s["is_pad"] for s in shares])
+
+    def update_critic(self, batch: DataBatch) -> dict[str, float]:
+        """One value-loss update on ``batch`` (:meth:`CriticWorker.update_critic`); returns verl's critic metrics."""
+        from arpo.trainer.critic_worker import critic_mini_batch_rows
+
+        shares, per_rank = split_for_ranks(_tensors_only(batch), self.world_size, critic_mini_batch_rows(self.config))
+        for s in shares:
+            s.meta["mini_batch_rows_per_rank"] = per_rank
+        return self.execute_split("update_critic", shares)[0]
+
+    def export_hf(self, out_dir: str) -> str:
+        return self.execute_all("export_hf", out_dir)[0]
+
+    def save_checkpoint(self, actor_dir: str, contents: list[str] | None = None) -> None:
+        self.execute_all("save_checkpoint", actor_dir, contents)
+
+    def load_checkpoint(self, actor_dir: str) -> None:
+        self.execute_all("load_checkpoint", actor_dir)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return self.execute_all("full_parameters")[0]
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        return self.execute_all("full_gradients")[0]
+
+
+class RayWorkerGroup(WorkerGroup):
     """``world_size`` Ray actors running :class:`ActorWorker` with one role; every call reaches all of them.
 
     ``num_cpus`` / ``num_gpus`` per actor default to ``trainer.cpus_per_worker`` and (on GPU) 1. With a
@@ -195,71 +285,16 @@ class RayWorkerGroup:
     # -- calling ----------------------------------------------------------------------------------------
 
     def execute_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Call ``method(*args, **kwargs)`` on every rank together; results in rank order."""
         import ray
 
         return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
 
     def execute_split(self, method: str, shares: list[Any], *args: Any, **kwargs: Any) -> list[Any]:
-        """Call ``method(shares[r], *args, **kwargs)`` on rank r, all ranks together."""
         import ray
 
         if len(shares) != self.world_size:
             raise ValueError(f"{len(shares)} shares for {self.world_size} ranks")
         return ray.get([getattr(w, method).remote(s, *args, **kwargs) for w, s in zip(self.workers, shares)])
-
-    # -- the trainer's calls ----------------------------------------------------------------------------
-
-    def _balance(self) -> bool:
-        """Deal rows to ranks by length, except in the exact mode (see DeviceSettings.fast_layout)."""
-        return bool(self.init_info[0].get("fast_layout", False))
-
-    def _packs_trees(self) -> bool:
-        return self.role != "critic" and bool(cfg_get(self.config, "actor_rollout_ref.model.tree_packing", True))
-
-    def _with_trees(self, batch: DataBatch) -> DataBatch:
-        out = _tensors_only(batch)
-        out.tensors.update(tree_columns(batch))
-        return out
-
-    def compute_log_prob(self, batch: DataBatch, calc_entropy: bool | None = None) -> dict[str, torch.Tensor]:
-        """``{"log_probs": (B, T)}`` (+ ``"entropy"``; by default for the actor role) in ``batch`` row order;
-        see :meth:`ActorWorker.compute_log_prob`."""
-        if self._packs_trees():
-            shares = split_trees_for_ranks(self._with_trees(batch), self.world_size)
-            results = self.execute_split("compute_log_prob", shares, calc_entropy=calc_entropy)
-            return gather_rows(results, [s["is_pad"] for s in shares], [s["row_index"] for s in shares])
-        balance = self._balance()
-        shares, _ = split_for_ranks(_tensors_only(batch), self.world_size, balance=balance)
-        results = self.execute_split("compute_log_prob", shares, calc_entropy=calc_entropy)
-        return gather_rows(results, [s["is_pad"] for s in shares],
-                           [s["row_index"] for s in shares] if balance else None)
-
-    def update_policy(self, batch: DataBatch) -> dict[str, float]:
-        """One PPO update on ``batch`` (see :meth:`ActorWorker.update_policy`); returns verl's metrics."""
-        if self._packs_trees():
-            shares = split_trees_for_ranks(self._with_trees(batch), self.world_size, mini_batch_rows(self.config))
-            return self.execute_split("update_policy", shares)[0]
-        shares, per_rank = split_for_ranks(_tensors_only(batch), self.world_size, mini_batch_rows(self.config),
-                                           balance=self._balance())
-        for s in shares:
-            s.meta["mini_batch_rows_per_rank"] = per_rank
-        return self.execute_split("update_policy", shares)[0]
-
-    def compute_values(self, batch: DataBatch) -> dict[str, torch.Tensor]:
-        """``{"values": (B, T)}`` of the critic in ``batch`` row order (:meth:`CriticWorker.compute_values`)."""
-        shares, _ = split_for_ranks(_tensors_only(batch), self.world_size)
-        results = self.execute_split("compute_values", shares)
-        return gather_rows(results, [s["is_pad"] for s in shares])
-
-    def update_critic(self, batch: DataBatch) -> dict[str, float]:
-        """One value-loss update on ``batch`` (:meth:`CriticWorker.update_critic`); returns verl's critic metrics."""
-        from arpo.trainer.critic_worker import critic_mini_batch_rows
-
-        shares, per_rank = split_for_ranks(_tensors_only(batch), self.world_size, critic_mini_batch_rows(self.config))
-        for s in shares:
-            s.meta["mini_batch_rows_per_rank"] = per_rank
-        return self.execute_split("update_critic", shares)[0]
 
     def engine_weights(self) -> Any:
         """Rank 0's full state dict for the engines, as a ``ray.ObjectRef`` left in the object store: an engine
@@ -270,21 +305,6 @@ class RayWorkerGroup:
         ray.get(refs[1:])  # the other ranks' part of the gather is done (they return None)
         ray.wait(refs[:1], fetch_local=False)
         return refs[0]
-
-    def export_hf(self, out_dir: str) -> str:
-        return self.execute_all("export_hf", out_dir)[0]
-
-    def save_checkpoint(self, actor_dir: str, contents: list[str] | None = None) -> None:
-        self.execute_all("save_checkpoint", actor_dir, contents)
-
-    def load_checkpoint(self, actor_dir: str) -> None:
-        self.execute_all("load_checkpoint", actor_dir)
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        return self.execute_all("full_parameters")[0]
-
-    def full_gradients(self) -> dict[str, torch.Tensor]:
-        return self.execute_all("full_gradients")[0]
 
     def shutdown(self) -> None:
         """Leave the process group and end the actors."""
@@ -297,3 +317,36 @@ class RayWorkerGroup:
                 ray.kill(w)
             self.workers = []
 
+
+class LocalWorkerGroup(WorkerGroup):
+    """One rank of one role in this process, without Ray: a single-GPU box whose Python has only torch and
+    transformers, a notebook, a debugger. The batch goes through the same split and gather as on N ranks."""
+
+    def __init__(self, config: Any, role: str = "actor"):
+        from arpo.trainer.critic_worker import CriticWorker
+        from arpo.trainer.fsdp_worker import ActorWorker
+
+        self.config = to_plain(config)
+        if config_world_size(self.config) != 1:
+            raise ValueError(f"LocalWorkerGroup runs one rank, but trainer.nnodes x trainer.n_gpus_per_node = "
+                             f"{config_world_size(self.config)}; set both to 1 or use RayWorkerGroup")
+        self.role, self.world_size = role, 1
+        self.worker = (CriticWorker if role == "critic" else ActorWorker)(self.config, role, 0, 1)
+        self.init_info = [self.worker.init_model(*self.worker.rendezvous_address())]
+        logger.info("%s worker group: 1 rank in this process, %s", role, self.init_info[0])
+
+    def execute_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return [getattr(self.worker, method)(*args, **kwargs)]
+
+    def execute_split(self, method: str, shares: list[Any], *args: Any, **kwargs: Any) -> list[Any]:
+        if len(shares) != 1:
+            raise ValueError(f"{len(shares)} shares for 1 rank")
+        return [getattr(self.worker, method)(shares[0], *args, **kwargs)]
+
+    def engine_weights(self) -> dict[str, Any]:
+        """The full state dict for the engines (as :meth:`ActorWorker.engine_weights` packs it)."""
+        return self.worker.engine_weights()
+
+    def shutdown(self) -> None:
+        """Leave the process group (this process can then start another)."""
+        self.worker.shutdown()

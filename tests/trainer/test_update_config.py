@@ -55,12 +55,15 @@ def test_share_prefix_key_must_be_a_boolean():
 def test_tree_packing_needs_a_boolean_and_a_kernel_that_takes_a_tree_mask():
     cfg = _cfg()
     cfg["actor_rollout_ref"]["model"]["tree_packing"] = "yes"
-    with pytest.raises(ConfigError, match="tree_packing must be true or false"):
+    with pytest.raises(ConfigError, match="tree_packing must be true, false or auto"):
         validate_actor_config(cfg)
     cfg["actor_rollout_ref"]["model"].update(tree_packing=True, attn_implementation="flash_attention_2")
     with pytest.raises(ConfigError, match="attn_implementation=sdpa") as err:
         validate_actor_config(cfg)
     assert "\n" not in str(err.value)
+    cfg["actor_rollout_ref"]["model"]["tree_packing"] = "auto"  # on for CPU (this test's trainer.device)
+    with pytest.raises(ConfigError, match="attn_implementation=sdpa"):
+        validate_actor_config(cfg)
     cfg["actor_rollout_ref"]["model"]["tree_packing"] = False
     validate_actor_config(cfg)
 
