@@ -128,11 +128,8 @@ def check_cluster_fits(cfg: DictConfig) -> None:
     import ray
 
     if cfg.ray_init.address is not None:
-        from arpo.ray_utils import rank_nodes
-
         try:
-            gpus = 1.0 if cfg.trainer.device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0 else 0.0
-            rank_nodes(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, float(cfg.trainer.cpus_per_worker), gpus)
+            training_nodes(cfg)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         require_cpus(cfg, ray.cluster_resources().get("CPU", 0.0),
@@ -178,12 +175,10 @@ def _start_engine_and_workers(cfg: DictConfig, create_engines, worker_group) -> 
     in the placement groups of :mod:`arpo.placement` (colocated or split). On CPU their start-ups (process spawns,
     imports, model loads; ~10 s each here) run at once. On a GPU they start one after another, as in verl: vLLM
     sizes its KV cache from the memory free while it profiles, which ranks loading beside it would change."""
-    import ray
-
     from arpo.engine.config import default_device
 
     roles = worker_groups(cfg)
-    placement = gpu_placement(cfg, roles) if ray.cluster_resources().get("GPU", 0) > 0 else None
+    placement = gpu_placement(cfg, roles) if uses_gpu_placement(cfg) else None
     device = cfg.trainer.device
     if device == "cuda" or (device == "auto" and placement is not None and default_device() == "cuda"):
         engines = create_engines(cfg, placement=placement)
@@ -194,16 +189,31 @@ def _start_engine_and_workers(cfg: DictConfig, create_engines, worker_group) -> 
         return engines.result(), {role: g.result() for role, g in groups.items()}
 
 
-def gpu_placement(cfg: DictConfig, roles: list[str]):
-    """The run's placement groups on a cluster with GPUs (one clear error when it cannot hold them)."""
-    from arpo.placement import GpuPlacement, PlacementPlan
+def uses_gpu_placement(cfg: DictConfig) -> bool:
+    """Whether the run's actors go into GPU placement groups: the cluster has GPUs and trainer.device is not cpu."""
+    import ray
+
+    return cfg.trainer.device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
+
+
+def training_nodes(cfg: DictConfig) -> list[str] | None:
+    """The nodes of the training ranks (:func:`arpo.ray_utils.rank_nodes`; ValueError when the cluster lacks them).
+    With GPU placement a node's bundle holds rank r of every role (their CPUs together, one GPU); else each
+    role's ranks are pinned on their own."""
     from arpo.ray_utils import rank_nodes
 
     t = cfg.trainer
+    if uses_gpu_placement(cfg):
+        return rank_nodes(t.nnodes, t.n_gpus_per_node, float(t.cpus_per_worker) * len(worker_groups(cfg)), 1.0)
+    return rank_nodes(t.nnodes, t.n_gpus_per_node, float(t.cpus_per_worker), 0.0)
+
+
+def gpu_placement(cfg: DictConfig, roles: list[str]):
+    """The run's placement groups on a cluster with GPUs (one clear error when it cannot hold them)."""
+    from arpo.placement import GpuPlacement, PlacementPlan
+
     try:
-        plan = PlacementPlan.from_config(cfg, roles)
-        nodes = rank_nodes(t.nnodes, t.n_gpus_per_node, float(t.cpus_per_worker) * len(roles), 1.0)
-        return GpuPlacement(plan, nodes)
+        return GpuPlacement(PlacementPlan.from_config(cfg, roles), training_nodes(cfg))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -71,6 +71,10 @@ def placed(hybrid):
     return {"gpus": out, "describe": g.describe()}
 
 result = {"colocated": placed(True), "split": placed(False)}
+from omegaconf import OmegaConf
+from arpo.main_arpo import uses_gpu_placement
+# trainer.device=cpu keeps a run's actors out of the GPUs even on a cluster that has them
+result["uses"] = {d: uses_gpu_placement(OmegaConf.create({"trainer": {"device": d}})) for d in ("cpu", "auto", "cuda")}
 try:  # 4 GPUs on a cluster of 3
     GpuPlacement(PlacementPlan(("actor",), 1, 4, 1.0, 1, 1, True), None)
 except ValueError as e:
@@ -94,6 +98,7 @@ def test_placement_groups_on_logical_gpus():
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     colocated, split = out["colocated"]["gpus"], out["split"]["gpus"]
+    assert out["uses"] == {"cpu": False, "auto": True, "cuda": True}
     # colocated: rank r of each role on GPU r, the engine on rank 0's GPU; 3 logical GPUs, 2 used
     assert colocated["actor0"] == colocated["ref0"] == colocated["engine0"] and len(colocated["actor0"]) == 1
     assert colocated["actor1"] == colocated["ref1"] != colocated["actor0"]
