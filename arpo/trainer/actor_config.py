@@ -16,11 +16,10 @@ WARMUP_STYLES = ("constant", "cosine")
 SAVE_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 
 
-def tree_packing_enabled(cfg: Any, device_type: str) -> bool:
+def resolve_tree_packing(value: bool | str, device_type: str) -> bool:
     """``actor_rollout_ref.model.tree_packing``: true, false, or ``auto`` — on where packing was measured faster
     (CPU, compute-bound: 1.59x on SmolLM2-135M), off on CUDA (one H100, the same trees: old log-probs 3.9x and
     the update 2.0x slower packed; a 135M model there is bound by per-kernel CPU work, which packing adds)."""
-    value = cfg_get(cfg, "actor_rollout_ref.model.tree_packing", "auto")
     return device_type != "cuda" if value == "auto" else bool(value)
 
 
@@ -227,7 +226,7 @@ def validate_actor_config(cfg: Any) -> None:
         raise ConfigError(f"actor_rollout_ref.model.tree_packing must be true, false or auto, got {packing!r}")
     attention = cfg_get(cfg, "actor_rollout_ref.model.attn_implementation", "sdpa")
     device_type = "cuda" if device == "cuda" else resolve_device_type(device)  # (cuda without a GPU: checked later)
-    if tree_packing_enabled(cfg, device_type) and attention not in ("sdpa", "eager"):
+    if resolve_tree_packing(packing, device_type) and attention not in ("sdpa", "eager"):
         raise ConfigError(f"actor_rollout_ref.model.tree_packing needs a kernel that takes a tree attention mask: "
                           f"set actor_rollout_ref.model.attn_implementation=sdpa (or eager), not {attention!r}, "
                           f"or actor_rollout_ref.model.tree_packing=false")

@@ -28,7 +28,6 @@ import torch
 
 from arpo.batch import DataBatch
 from arpo.trainer import core_algos
-from arpo.trainer.actor_config import cfg_get, mini_batch_rows
 from arpo.trainer.rollout_correction import mismatch_sums, rollout_is_weights
 
 if TYPE_CHECKING:
@@ -84,15 +83,14 @@ def global_batch_info(worker: "ActorWorker", loss_mask: torch.Tensor, real_rows:
 
 def ppo_update(worker: "ActorWorker", batch: DataBatch) -> dict[str, float]:
     """The body of :meth:`ActorWorker.update_policy` (see there for the batch contract)."""
-    actor = lambda key, default=None: cfg_get(worker.config, f"actor_rollout_ref.actor.{key}", default)  # noqa: E731
-    mini_rows = int(batch.meta.get("mini_batch_rows_per_rank",
-                                   max(1, mini_batch_rows(worker.config) // worker.world_size)))
-    epochs = int(actor("ppo_epochs", 1))
+    p = worker.cfg.policy
+    mini_rows = int(batch.meta.get("mini_batch_rows_per_rank", max(1, worker.cfg.mini_batch_rows // worker.world_size)))
+    epochs = int(p.ppo_epochs)
     minis = mini_batch_indices(batch, mini_rows)
     on_policy = epochs == 1 and len(minis) == 1
     has_old = "old_log_probs" in batch.tensors
     needed = ["responses", "input_ids", "attention_mask", "position_ids", "response_mask", "advantages"]
-    use_kl = bool(actor("use_kl_loss", False))
+    use_kl = bool(p.use_kl_loss)
     if use_kl:
         needed.append("ref_log_prob")
     missing = [k for k in needed if k not in batch.tensors]
@@ -102,19 +100,19 @@ def ppo_update(worker: "ActorWorker", batch: DataBatch) -> dict[str, float]:
         raise ValueError("update_policy: batch lacks old_log_probs, which only an on-policy update (one "
                          "mini-batch per step, ppo_epochs=1) can do without; compute them first")
 
-    mode = actor("loss_agg_mode", "token-mean")
-    clip = actor("clip_ratio", 0.2)
-    clip_low, clip_high = actor("clip_ratio_low", clip), actor("clip_ratio_high", clip)
-    clip_c = float(actor("clip_ratio_c", 3.0))
-    balanced_clip = bool(actor("enable_entropy_balanced_clipping", False))
-    entropy_coeff = float(actor("entropy_coeff", 0.0))
-    kl_coef, kl_type = float(actor("kl_loss_coef", 0.0)), actor("kl_loss_type", "low_var_kl")
-    micro_size = int(actor("ppo_micro_batch_size_per_gpu", 1))
-    scale_factor = actor("loss_scale_factor", batch.meta.get("max_response_length"))
-    grad_clip = float(actor("grad_clip", 1.0))
+    mode, clip = p.loss_agg_mode, p.clip_ratio
+    clip_low = p.clip_ratio_low if p.clip_ratio_low is not None else clip
+    clip_high = p.clip_ratio_high if p.clip_ratio_high is not None else clip
+    clip_c = float(p.clip_ratio_c)
+    balanced_clip = bool(p.enable_entropy_balanced_clipping)
+    entropy_coeff = float(p.entropy_coeff)
+    kl_coef, kl_type = float(p.kl_loss_coef), p.kl_loss_type
+    micro_size = int(p.ppo_micro_batch_size_per_gpu)
+    scale_factor = p.loss_scale_factor if p.loss_scale_factor is not None else batch.meta.get("max_response_length")
+    grad_clip = float(p.grad_clip)
     has_rollout = "rollout_log_probs" in batch.tensors
-    is_level = cfg_get(worker.config, "algorithm.rollout_correction.rollout_is") if has_rollout else None
-    is_threshold = float(cfg_get(worker.config, "algorithm.rollout_correction.rollout_is_threshold", 2.0))
+    is_level = p.rollout_is if has_rollout else None
+    is_threshold = float(p.rollout_is_threshold)
     # Without a separate old-log-prob pass the entropy metric (verl's actor/entropy) comes from here; as a
     # metric only it is computed without autograd.
     calc_entropy = entropy_coeff != 0 or not has_old

@@ -15,7 +15,6 @@ import torch
 
 from arpo.batch import DataBatch
 from arpo.trainer import core_algos
-from arpo.trainer.actor_config import cfg_get, rollout_n
 from arpo.trainer.actor_update import global_batch_info, mini_batch_indices, split_rows
 from arpo.trainer.fsdp_worker import ActorWorker
 from arpo.trainer.memory import release_memory
@@ -23,11 +22,6 @@ from arpo.trainer.memory import release_memory
 
 #: Metrics of :meth:`CriticWorker.update_critic` (verl's names).
 CRITIC_METRIC_KEYS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr")
-
-
-def critic_mini_batch_rows(cfg) -> int:
-    """Rows (trajectories) in one critic mini-batch over all ranks: ``critic.ppo_mini_batch_size * rollout.n``."""
-    return int(cfg_get(cfg, "critic.ppo_mini_batch_size", 1)) * rollout_n(cfg)
 
 
 def init_value_head(head: torch.nn.Linear, seed: int, std: float) -> None:
@@ -45,19 +39,16 @@ class CriticWorker(ActorWorker):
     together first; every method that touches the model is a collective."""
 
     ROLES = ("critic",)
-    MODEL_KEY = "critic.model"
     OPTIM_KEY = "critic.optim"
 
     def __init__(self, config: dict, role: str = "critic", rank: int = 0, world_size: int = 1):
-        super().__init__(config, role, rank, world_size)
-        self.tree_packing = False  # the packed forward is the policy head's; the critic runs padded rows
+        super().__init__(config, role, rank, world_size)  # its WorkerConfig packs no trees: padded rows
 
     def model_path(self) -> str:
-        path = cfg_get(self.config, "critic.model.path") or cfg_get(self.config, "actor_rollout_ref.model.path")
-        if not path:
+        if not self.cfg.model.path:
             raise ValueError("critic.model.path and actor_rollout_ref.model.path are not set: give an HF model "
                              "directory")
-        return str(path)
+        return str(self.cfg.model.path)
 
     def load_model(self) -> torch.nn.Module:
         from transformers import AutoConfig, AutoModelForTokenClassification
@@ -66,14 +57,13 @@ class CriticWorker(ActorWorker):
         config = AutoConfig.from_pretrained(path)
         config.num_labels = 1
         config.classifier_dropout = 0.0  # a value target needs a deterministic forward
-        attn = cfg_get(self.config, "actor_rollout_ref.model.attn_implementation", "sdpa")
         try:
-            model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32,
-                                                                    attn_implementation=attn)
+            model = AutoModelForTokenClassification.from_pretrained(
+                path, config=config, dtype=torch.float32, attn_implementation=self.cfg.model.attn_implementation)
         except ValueError as e:
             raise ValueError(f"critic.model.path={path}: {config.model_type} has no token-classification head in "
                              f"transformers, so it cannot be a critic ({e})") from None
-        init_value_head(model.score, int(cfg_get(self.config, "trainer.seed", 0)),
+        init_value_head(model.score, self.cfg.seed,
                         float(getattr(config, "initializer_range", 0.02)))
         return model
 
@@ -92,7 +82,7 @@ class CriticWorker(ActorWorker):
     def compute_values(self, batch: DataBatch) -> dict[str, torch.Tensor]:
         """``{"values": (B, R)}`` for this rank's rows, no grad, ``critic.forward_micro_batch_size_per_gpu`` rows
         at a time."""
-        micro = int(cfg_get(self.config, "critic.forward_micro_batch_size_per_gpu", 8))
+        micro = int(self.cfg.value.forward_micro_batch_size_per_gpu)
         out = torch.zeros(batch["responses"].shape, dtype=torch.float32)
         was_training = self.model.training
         self.model.eval()
@@ -116,17 +106,13 @@ class CriticWorker(ActorWorker):
             release_memory()
 
     def _update(self, batch: DataBatch) -> dict[str, float]:
-        critic = lambda key, default=None: cfg_get(self.config, f"critic.{key}", default)  # noqa: E731
+        c = self.cfg.value
         missing = [k for k in ("values", "returns", "response_mask", "input_ids") if k not in batch.tensors]
         if missing:
             raise ValueError(f"update_critic: batch lacks {missing} (compute values and GAE returns first)")
-        mini_rows = int(batch.meta.get("mini_batch_rows_per_rank",
-                                       max(1, critic_mini_batch_rows(self.config) // self.world_size)))
-        epochs = int(critic("ppo_epochs", 1))
-        micro_size = int(critic("ppo_micro_batch_size_per_gpu", 1))
-        clip = float(critic("cliprange_value", 0.5))
-        mode = critic("loss_agg_mode", "token-mean")
-        grad_clip = float(critic("grad_clip", 1.0))
+        mini_rows = int(batch.meta.get("mini_batch_rows_per_rank", max(1, self.cfg.mini_batch_rows // self.world_size)))
+        epochs, micro_size = int(c.ppo_epochs), int(c.ppo_micro_batch_size_per_gpu)
+        clip, mode, grad_clip = float(c.cliprange_value), c.loss_agg_mode, float(c.grad_clip)
         scale_factor = batch.meta.get("max_response_length")
         lr = float(self.lr_scheduler.get_last_lr()[0])
         dev = self.device

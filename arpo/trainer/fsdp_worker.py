@@ -23,13 +23,13 @@ import torch.distributed as dist
 
 from arpo.batch import DataBatch
 from arpo.engine.weights import for_transport
-from arpo.trainer.actor_config import cfg_get, rollout_temperature, tree_packing_enabled
 from arpo.trainer.actor_update import METRIC_KEYS, full_tensor, micro_batch_order, ppo_update, split_rows
 from arpo.trainer.device import cpu_has_native_bf16, device_settings_from_config
-from arpo.trainer.logprobs import DEFAULT_CHUNK_SIZE, compute_logprobs_and_entropy
+from arpo.trainer.logprobs import compute_logprobs_and_entropy
 from arpo.trainer.memory import configure_allocator, memory_stats, release_memory
 from arpo.trainer.tree_packing import (MAX_PACKED_TOKENS, pack_micro_batch, packed_logprobs_and_entropy,
                                        tree_micro_batches, unique_token_count)
+from arpo.trainer.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +63,8 @@ class ActorWorker:
     :meth:`init_model` on every rank together before anything else.
     """
 
-    #: the roles this class runs; the config sections its model and optimizer keys are read from
+    #: the roles this class runs; the config section its optimizer keys are read from (for error messages)
     ROLES: tuple[str, ...] = ROLES
-    MODEL_KEY = "actor_rollout_ref.model"
     OPTIM_KEY = "actor_rollout_ref.actor.optim"
 
     def __init__(self, config: dict, role: str = "actor", rank: int = 0, world_size: int = 1):
@@ -73,14 +72,15 @@ class ActorWorker:
             raise ValueError(f"role must be one of {self.ROLES}, got {role!r}")
         configure_allocator()  # before the model and activations exist: RSS follows live memory
         self.config = config
+        self.cfg = WorkerConfig.from_config(config, role)
         self.role = role
         self.rank = rank
         self.world_size = world_size
         self.settings = device_settings_from_config(config)
         # the tokens every row of a micro-batch begins with (the system prompt) run once; fast layout only
-        self.share_prefix = bool(cfg_get(config, "actor_rollout_ref.model.share_prefix", True))
+        self.share_prefix = self.cfg.model.share_prefix
         # a prompt group's tree as one sequence (tree_packing.py), when the worker group sends the tree columns
-        self.tree_packing = tree_packing_enabled(config, self.settings.device_type)
+        self.tree_packing = self.cfg.model.packs_trees(self.settings.device_type)
         self.model: Any = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -92,7 +92,7 @@ class ActorWorker:
 
     def rendezvous_address(self) -> tuple[str, int]:
         """(address, free port) of this rank's node, for rank 0 to host the process-group store."""
-        if cfg_get(self.config, "trainer.nnodes", 1) == 1:
+        if self.cfg.nnodes == 1:
             return "127.0.0.1", free_port("127.0.0.1")
         import ray
 
@@ -116,8 +116,7 @@ class ActorWorker:
             self.device = torch.device("cuda", torch.cuda.current_device())
 
         model = self.load_model()
-        checkpointing = cfg_get(self.config, f"{self.MODEL_KEY}.enable_gradient_checkpointing", True)
-        if self.trainable and checkpointing:
+        if self.trainable and self.cfg.model.enable_gradient_checkpointing:
             # Non-reentrant: the recompute re-runs FSDP2's pre-forward hooks (parameters are gathered
             # again) and autocast's state, and it works when the inputs do not require grad.
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -165,10 +164,9 @@ class ActorWorker:
         return self.role != "ref"
 
     def model_path(self) -> str:
-        path = cfg_get(self.config, f"{self.MODEL_KEY}.path")
-        if not path:
-            raise ValueError(f"{self.MODEL_KEY}.path is not set: give an HF-format model directory")
-        return str(path)
+        if not self.cfg.model.path:
+            raise ValueError("actor_rollout_ref.model.path is not set: give an HF-format model directory")
+        return str(self.cfg.model.path)
 
     def load_model(self) -> torch.nn.Module:
         """The policy in fp32 master weights: mixed precision casts them to bf16 for compute only (GPU: FSDP2
@@ -177,25 +175,20 @@ class ActorWorker:
 
         return AutoModelForCausalLM.from_pretrained(
             self.model_path(), dtype=torch.float32,
-            attn_implementation=cfg_get(self.config, f"{self.MODEL_KEY}.attn_implementation", "sdpa"))
+            attn_implementation=self.cfg.model.attn_implementation)
 
     def _build_optimizer(self) -> None:
-        optim = lambda key, default=None: cfg_get(self.config, f"{self.OPTIM_KEY}.{key}", default)  # noqa: E731
-        betas = tuple(float(b) for b in optim("betas", [0.9, 0.999]))
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=float(optim("lr", 1e-6)), betas=betas,
-                                           weight_decay=float(optim("weight_decay", 0.01)),
-                                           eps=float(optim("eps", 1e-8)))
-        total = int(optim("total_training_steps", -1))
-        if total <= 0:
-            total = int(cfg_get(self.config, "trainer.total_training_steps", -1) or -1)
-        warmup = int(optim("lr_warmup_steps", -1))
-        if warmup < 0:
-            warmup = int(float(optim("lr_warmup_steps_ratio", 0.0)) * max(total, 0))
-        style = optim("warmup_style", "constant")
-        if style == "cosine" and total <= 0:
+        o = self.cfg.optim
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=float(o.lr),
+                                           betas=tuple(float(b) for b in o.betas),
+                                           weight_decay=float(o.weight_decay), eps=float(o.eps))
+        total = int(o.total_training_steps) if o.total_training_steps > 0 else self.cfg.total_training_steps
+        warmup = (int(o.lr_warmup_steps) if o.lr_warmup_steps >= 0
+                  else int(float(o.lr_warmup_steps_ratio) * max(total, 0)))
+        if o.warmup_style == "cosine" and total <= 0:
             raise ValueError(f"{self.OPTIM_KEY}.warmup_style=cosine needs {self.OPTIM_KEY}.total_training_steps > 0 "
                              f"(the trainer sets it)")
-        min_lr_ratio, cycles = float(optim("min_lr_ratio", 0.0)), float(optim("num_cycles", 0.5))
+        style, min_lr_ratio, cycles = o.warmup_style, float(o.min_lr_ratio), float(o.num_cycles)
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_lambda(s, warmup, total, style, min_lr_ratio, cycles))
 
@@ -204,7 +197,7 @@ class ActorWorker:
     # ------------------------------------------------------------------------------------------------
 
     def temperature(self, batch: DataBatch) -> float:
-        return float(batch.meta.get("temperature", rollout_temperature(self.config)))
+        return float(batch.meta.get("temperature", self.cfg.temperature))
 
     def packs_trees(self, batch: DataBatch) -> bool:
         return self.tree_packing and "tree_id" in batch.tensors
@@ -251,7 +244,7 @@ class ActorWorker:
         (CPU bf16) with the output head's forward in fp32. ``entropy_grad=False``: entropy as a metric only;
         ``head_mask``: only these positions are needed (0 elsewhere). A micro-batch of one tree runs packed."""
         dev = self.device
-        chunk = int(cfg_get(self.config, "actor_rollout_ref.actor.logprob_chunk_size", DEFAULT_CHUNK_SIZE))
+        chunk = int(self.cfg.policy.logprob_chunk_size)
         fast = self.settings.fast_layout  # fp32: laid out as one process runs the batch (device.py)
         trees = self.packs_trees(micro)
         group = pack_micro_batch(micro) if trees else None
@@ -275,8 +268,7 @@ class ActorWorker:
         Padding positions are 0."""
         if calc_entropy is None:
             calc_entropy = self.role == "actor"
-        key = "ref" if self.role == "ref" else "rollout"
-        micro = int(cfg_get(self.config, f"actor_rollout_ref.{key}.log_prob_micro_batch_size_per_gpu", 8))
+        micro = self.cfg.log_prob_micro_batch_size
         temperature = self.temperature(batch)
         was_training = self.model.training
         self.model.eval()
@@ -382,7 +374,7 @@ class ActorWorker:
             if state is None:
                 return None
             return str(export_hf_model(state, self.model.config,
-                                       cfg_get(self.config, "actor_rollout_ref.model.path"), out_dir))
+                                       self.cfg.model.path, out_dir))
         finally:
             state = None
             release_memory()
@@ -405,9 +397,7 @@ class ActorWorker:
         DCP. ``contents`` defaults to ``actor_rollout_ref.actor.checkpoint.save_contents``. Collective."""
         from arpo.trainer.checkpoint import save_sharded
 
-        default = ["model", "optimizer", "extra"]
-        save_sharded(self, actor_dir, list(contents or cfg_get(
-            self.config, "actor_rollout_ref.actor.checkpoint.save_contents", default)))
+        save_sharded(self, actor_dir, list(contents or self.cfg.save_contents))
 
     def load_checkpoint(self, actor_dir: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote (whatever contents it has). Collective."""

@@ -27,10 +27,10 @@ import torch
 
 from arpo.batch import DataBatch
 from arpo.placement import GpuPlacement
-from arpo.trainer.actor_config import (cfg_get, mini_batch_rows, to_plain, tree_packing_enabled,
-                                      world_size as config_world_size)
+from arpo.trainer.actor_config import to_plain, world_size as config_world_size
 from arpo.trainer.memory import allocator_env
 from arpo.trainer.tree_packing import tree_columns, tree_micro_batches, unique_token_count
+from arpo.trainer.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +152,7 @@ class WorkerGroup:
     Subclasses say how a call reaches the ranks (:meth:`execute_all`, :meth:`execute_split`)."""
 
     config: dict
+    cfg: WorkerConfig
     role: str
     world_size: int
     init_info: list[dict]
@@ -171,8 +172,7 @@ class WorkerGroup:
         return bool(self.init_info[0].get("fast_layout", False))
 
     def _packs_trees(self) -> bool:
-        device_type = str(self.init_info[0].get("device", "cpu")).split(":")[0]
-        return self.role != "critic" and tree_packing_enabled(self.config, device_type)
+        return self.cfg.model.packs_trees(str(self.init_info[0].get("device", "cpu")).split(":")[0])
 
     def _with_trees(self, batch: DataBatch) -> DataBatch:
         out = _tensors_only(batch)
@@ -195,9 +195,9 @@ class WorkerGroup:
     def update_policy(self, batch: DataBatch) -> dict[str, float]:
         """One PPO update on ``batch`` (see :meth:`ActorWorker.update_policy`); returns verl's metrics."""
         if self._packs_trees():
-            shares = split_trees_for_ranks(self._with_trees(batch), self.world_size, mini_batch_rows(self.config))
+            shares = split_trees_for_ranks(self._with_trees(batch), self.world_size, self.cfg.mini_batch_rows)
             return self.execute_split("update_policy", shares)[0]
-        shares, per_rank = split_for_ranks(_tensors_only(batch), self.world_size, mini_batch_rows(self.config),
+        shares, per_rank = split_for_ranks(_tensors_only(batch), self.world_size, self.cfg.mini_batch_rows,
                                            balance=self._balance())
         for s in shares:
             s.meta["mini_batch_rows_per_rank"] = per_rank
@@ -211,9 +211,7 @@ class WorkerGroup:
 
     def update_critic(self, batch: DataBatch) -> dict[str, float]:
         """One value-loss update on ``batch`` (:meth:`CriticWorker.update_critic`); returns verl's critic metrics."""
-        from arpo.trainer.critic_worker import critic_mini_batch_rows
-
-        shares, per_rank = split_for_ranks(_tensors_only(batch), self.world_size, critic_mini_batch_rows(self.config))
+        shares, per_rank = split_for_ranks(_tensors_only(batch), self.world_size, self.cfg.mini_batch_rows)
         for s in shares:
             s.meta["mini_batch_rows_per_rank"] = per_rank
         return self.execute_split("update_critic", shares)[0]
@@ -253,18 +251,19 @@ class RayWorkerGroup(WorkerGroup):
         from arpo.trainer.fsdp_worker import ActorWorker
 
         self.config = to_plain(config)
+        self.cfg = WorkerConfig.from_config(self.config, role)
         init_ray(self.config)
         self.role = role
         self.world_size = world_size or config_world_size(self.config)
-        device = cfg_get(self.config, "trainer.device", "auto")
+        device = self.cfg.device
         on_gpu = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
-        num_cpus = float(num_cpus if num_cpus is not None else cfg_get(self.config, "trainer.cpus_per_worker", 1))
+        num_cpus = float(num_cpus if num_cpus is not None else self.cfg.cpus_per_worker)
         num_gpus = float(num_gpus if num_gpus is not None else (1 if on_gpu else 0))
         # Ray gives each actor OMP_NUM_THREADS = its num_cpus and the driver's sys.path (so `arpo` imports).
         # glibc reads its tunables at process start: huge pages for the ranks' large blocks (memory.py).
         env = {**(ray.get_runtime_context().runtime_env.get("env_vars") or {}), **allocator_env()}
         remote_cls = ray.remote(CriticWorker if role == "critic" else ActorWorker)
-        nnodes = int(cfg_get(self.config, "trainer.nnodes", 1))
+        nnodes = self.cfg.nnodes
         nodes = (rank_nodes(nnodes, self.world_size // nnodes, num_cpus, num_gpus)
                  if world_size is None and placement is None else None)
         self.workers = []
@@ -327,6 +326,7 @@ class LocalWorkerGroup(WorkerGroup):
         from arpo.trainer.fsdp_worker import ActorWorker
 
         self.config = to_plain(config)
+        self.cfg = WorkerConfig.from_config(self.config, role)
         if config_world_size(self.config) != 1:
             raise ValueError(f"LocalWorkerGroup runs one rank, but trainer.nnodes x trainer.n_gpus_per_node = "
                              f"{config_world_size(self.config)}; set both to 1 or use RayWorkerGroup")

@@ -252,13 +252,14 @@ def test_one_row_trees_share_micro_batches_of_the_micro_size_and_run_padded():
 
 
 def test_tree_packing_auto_is_on_for_cpu_and_off_for_cuda():
-    from arpo.trainer.actor_config import tree_packing_enabled
+    from arpo.trainer.worker_config import WorkerConfig
 
+    packs = lambda cfg, device, role="actor": WorkerConfig.from_config(cfg, role).model.packs_trees(device)  # noqa: E731
     cfg = {"actor_rollout_ref": {"model": {"tree_packing": "auto"}}}
-    assert tree_packing_enabled(cfg, "cpu") and not tree_packing_enabled(cfg, "cuda")
-    assert tree_packing_enabled({}, "cpu") and not tree_packing_enabled({}, "cuda")  # auto is the default
+    assert packs(cfg, "cpu") and not packs(cfg, "cuda")
+    assert packs({}, "cpu") and not packs({}, "cuda")  # auto is the default
     cfg["actor_rollout_ref"]["model"]["tree_packing"] = True
-    assert tree_packing_enabled(cfg, "cuda")
+    assert packs(cfg, "cuda") and not packs(cfg, "cpu", role="critic")  # the critic's value head runs padded
 
 
 def test_packed_tree_under_bf16_autocast_matches_the_fast_layouts_padded_forward():

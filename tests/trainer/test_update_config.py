@@ -130,3 +130,25 @@ def test_global_batch_info_is_verls_for_the_mini_batch():
     info = global_batch_info(Rank(), mask, real_rows, loss_scale_factor=None)
     assert info == {"dp_size": 2, "batch_num_tokens": 9.0, "global_batch_size": 5.0, "loss_scale_factor": None}
     assert global_batch_info(Rank(), mask, real_rows, 4096)["loss_scale_factor"] == 4096.0
+
+
+def test_worker_config_takes_each_rank_key_from_the_composed_yaml():
+    """The typed view a rank reads (WorkerConfig) holds the YAML's values, not its own defaults."""
+    from arpo.config import load_config
+    from arpo.trainer.worker_config import WorkerConfig
+
+    cfg = load_config("arpo_trainer", ["actor_rollout_ref.actor.clip_ratio_high=0.28",
+                                       "actor_rollout_ref.actor.optim.lr=3e-6", "critic.optim.lr=2e-5",
+                                       "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=3"])
+    actor, ref, critic = (WorkerConfig.from_config(cfg, role) for role in ("actor", "ref", "critic"))
+    a = cfg.actor_rollout_ref
+    assert actor.policy.clip_ratio_high == 0.28 and actor.policy.clip_ratio_low == a.actor.clip_ratio_low
+    assert actor.optim.lr == 3e-6 and critic.optim.lr == 2e-5 and isinstance(actor.optim.betas, tuple)
+    assert actor.model.path == a.model.path == critic.model.path  # critic.model.path null: the actor's
+    assert actor.log_prob_micro_batch_size == a.rollout.log_prob_micro_batch_size_per_gpu
+    assert ref.log_prob_micro_batch_size == 3
+    assert actor.mini_batch_rows == a.actor.ppo_mini_batch_size * a.rollout.n
+    assert critic.mini_batch_rows == cfg.critic.ppo_mini_batch_size * a.rollout.n
+    assert actor.policy.logprob_chunk_size == a.actor.logprob_chunk_size
+    assert actor.save_contents == tuple(a.actor.checkpoint.save_contents)
+    assert actor.model.tree_packing == a.model.tree_packing and critic.model.tree_packing is False
