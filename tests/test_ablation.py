@@ -15,6 +15,7 @@ import pytest
 
 from arpo.config import REPO_ROOT, load_config
 from experiments import ablation
+from experiments.ablation_results import FINAL_CORRECTNESS
 from tests.test_main_arpo import check_training_run
 
 #: the smoke ablation's results, shared with tests/test_notebook.py (each module gets its own fixture, one run)
@@ -178,7 +179,7 @@ def test_smoke_advantage_suite_writes_results_and_skips_finished_runs(smoke_abla
     assert "Gain over the starting model" in readme and "| grpo | 3 |" in readme  # paired gain per run
     # each variant against the baseline at the same seed, paired by validation question
     assert "Against `grpo` at the same seed" in readme and "| arpo_hard | 3 |" in readme
-    correct = json.loads((out / "runs" / "grpo" / "seed3" / ablation.FINAL_CORRECTNESS).read_text())
+    correct = json.loads((out / "runs" / "grpo" / "seed3" / FINAL_CORRECTNESS).read_text())
     assert len(correct) == 8 and set(correct.values()) <= {0.0, 1.0}  # smoke: 8 validation questions
 
     # a second invocation finds every run finished: nothing is trained or dumped again
@@ -202,6 +203,7 @@ def test_smoke_advantage_suite_writes_results_and_skips_finished_runs(smoke_abla
 SIGTERM_SCRIPT = r"""
 import subprocess, sys
 from experiments import ablation
+from experiments.ablation_results import FINAL_CORRECTNESS
 from tests.test_main_arpo import check_training_run
 
 def train(run):  # a training run that would take a minute
@@ -251,7 +253,7 @@ def test_collect_only_imports_runs_from_another_checkout_and_rebuilds_the_result
         shutil.copyfile(committed / variant / "seed1" / "metrics.jsonl", run / "logs" / "metrics.jsonl")
         for name in ("summary.json", "ablation_run.json"):
             shutil.copyfile(committed / variant / "seed1" / name, run / name)
-        acc = json.loads((committed / variant / "seed1" / ablation.FINAL_CORRECTNESS).read_text())
+        acc = json.loads((committed / variant / "seed1" / FINAL_CORRECTNESS).read_text())
         (run / "validation" / "step_8.jsonl").write_text(
             "".join(json.dumps({"prompt_index": int(i), "acc": a}) + "\n" for i, a in acc.items()))
     args = ["--preset", "smollm2", "--suite", "advantage", "--seeds", "1", "--out", str(out),
@@ -261,8 +263,8 @@ def test_collect_only_imports_runs_from_another_checkout_and_rebuilds_the_result
     table = (out / "table.md").read_text()
     assert "| grpo (baseline) | 2 | 76.8 ± 6.9 |" in table and "| arpo_soft | 2 | 78.7 ± 7.5 |" in table
     for variant in ("grpo", "arpo_soft", "arpo_hard"):
-        assert json.loads((out / "runs" / variant / "seed1" / ablation.FINAL_CORRECTNESS).read_text()) == \
-            json.loads((committed / variant / "seed1" / ablation.FINAL_CORRECTNESS).read_text())
+        assert json.loads((out / "runs" / variant / "seed1" / FINAL_CORRECTNESS).read_text()) == \
+            json.loads((committed / variant / "seed1" / FINAL_CORRECTNESS).read_text())
     readme = (out / "README.md").read_text()
     assert "--collect-only" in readme and "| arpo_soft | all | 0.768 → 0.787 | +0.020 [-0.004, +0.045] | 512 |" in readme
     assert (out / "reward_curves.png").read_bytes()[:4] == b"\x89PNG"
