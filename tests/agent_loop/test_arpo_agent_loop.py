@@ -17,7 +17,7 @@ from arpo.engine.base import SamplingParams
 from arpo.testing.scripted_engine import ScriptedEngine, ScriptPolicy
 from arpo.rollout.arpo_rollout import ARPORollout, ARPORolloutConfig
 from tests.rollout.fake_tools import FakePython, FakeSearch
-from tests.rollout.test_arpo_rollout import check_invariants, rows
+from tests.rollout.rollout_helpers import check_invariants, rows
 
 #: tool settings of the batch rollout's defaults, given to the agent loop's executor too
 TOOLS = {"tool_retries": 3, "retry_on_empty": True, "max_tool_response_length": None, "tool_timeout_s": 120.0}

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from arpo.protocol import RESULT_OPEN
-from tests.rollout.test_arpo_rollout import check_invariants, rows
+from tests.rollout.rollout_helpers import check_invariants, rows
 
 pytestmark = pytest.mark.slow
 

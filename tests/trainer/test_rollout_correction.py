@@ -59,7 +59,7 @@ def test_mismatch_sums_by_hand():
 
 
 def test_the_batch_rollout_records_each_sampled_tokens_log_prob_and_forks_inherit_them():
-    from tests.rollout.test_arpo_rollout import rollout
+    from tests.rollout.rollout_helpers import rollout
 
     cfg = {"n": 6, "initial_rollouts": 2, "branching.branch_probability": 1.0, "tools.call_limit": 2,
            "sampling.max_response_length": 200, "calculate_log_probs": True}
