@@ -13,7 +13,8 @@ time (requests overlap, so a round of requests costs about its longest one). ``-
 
 Prints one JSON object on stdout and nothing else (logs, vLLM's included, go to stderr): per mode the median
 wall time, generated tokens, tokens/s, requests, rounds, branches, prefix-cache hit rate overall and on the first
-request of each branch, time in generation vs tools; and for each ARPO mode its wall time over plain GRPO's
+request of each branch, time in generation vs tools, the engine's idle fraction (no request in flight) and its
+requests in flight on average while busy; and for each ARPO mode its wall time over plain GRPO's
 (``arpo_over_single_wall``, the goal: at most 1.1), also as ``…_paired_median``: the median over repeats of the
 ratio within one repeat, which a machine whose speed drifts between runs disturbs less, and as ``…_min``: fastest
 run over fastest run, which bursts of other load on a shared machine disturb least.
@@ -106,8 +107,8 @@ def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
     keys = ["rollout/tokens/generated", "rollout/tokens/discarded", "rollout/fill_predicted", "rollout/requests",
             "rollout/rounds", "rollout/branches",
             "rollout/tool_calls/total", "rollout/prefix_cache/hit_rate", "rollout/prefix_cache/branch_hit_rate",
-            "timing_s/rollout_generate", "timing_s/rollout_tools", "rollout/tokens/monitor",
-            "rollout/aepo/initial_rollouts_mean"]
+            "timing_s/rollout_generate", "timing_s/rollout_tools", "rollout/engine_idle_fraction",
+            "rollout/requests_in_flight_mean", "rollout/tokens/monitor", "rollout/aepo/initial_rollouts_mean"]
     out = {"wall_s_median": statistics.median(wall), "wall_s_min": min(wall), "wall_s_all": wall}
     optional = {"rollout/tokens/monitor", "rollout/aepo/initial_rollouts_mean"}  # AEPO's pre-monitoring only
     out.update({k.split("/", 1)[1]: pick.get(k) for k in keys if k in pick or k not in optional})

@@ -14,23 +14,40 @@ from arpo.rollout.branch_slots import GroupSlots
 
 class BusyClock:
     """Wall time during which at least one operation of a kind runs (overlapping ones are counted once), so
-    generation and tool time stay comparable with the total when both overlap (``schedule.mode: async``)."""
+    generation and tool time stay comparable with the total when both overlap (``schedule.mode: async``); and
+    the operations' summed durations (``load``), whose ratio to ``total`` is how many ran at once on average —
+    for engine requests, how full the engine's batch was kept."""
 
     def __init__(self) -> None:
         self.total = 0.0
+        self.load = 0.0
         self._active = 0
         self._since = 0.0
+        self._last = 0.0
+
+    def _tick(self) -> float:
+        now = time.perf_counter()
+        self.load += self._active * (now - self._last)
+        self._last = now
+        return now
 
     def __enter__(self) -> "BusyClock":
+        now = self._tick()
         if self._active == 0:
-            self._since = time.perf_counter()
+            self._since = now
         self._active += 1
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        now = self._tick()
         self._active -= 1
         if self._active == 0:
-            self.total += time.perf_counter() - self._since
+            self.total += now - self._since
+
+    @property
+    def mean_active(self) -> float:
+        """Operations in flight on average over the time any was (nan before any ran)."""
+        return self.load / self.total if self.total > 0 else math.nan
 
 
 class RolloutMetrics:
@@ -104,4 +121,8 @@ def summarize(m: RolloutMetrics, branches: list[Branch], slots: list[GroupSlots]
     total_time = m.time["total"]
     if total_time > 0:
         out["rollout/tokens_per_s"] = c["tokens_generated"] / total_time
+        # where a rollout's wall time goes on the engine side: time with no request in flight, and how many
+        # requests it had at once otherwise (a fuller batch makes each decode step cost less per token)
+        out["rollout/engine_idle_fraction"] = max(0.0, 1.0 - m.generate_clock.total / total_time)
+        out["rollout/requests_in_flight_mean"] = m.generate_clock.mean_active
     return out

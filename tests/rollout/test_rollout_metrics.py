@@ -1,0 +1,30 @@
+"""The rollout's clocks: busy time counts overlapping operations once, load counts each, so their ratio is how many
+ran at once (the engine batch a rollout keeps full, ``rollout/requests_in_flight_mean``)."""
+
+from __future__ import annotations
+
+import math
+
+import arpo.rollout.rollout_metrics as rollout_metrics
+from arpo.rollout.rollout_metrics import BusyClock
+
+
+def test_busy_time_counts_overlap_once_and_load_counts_each_operation(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(rollout_metrics.time, "perf_counter", lambda: now[0])
+    clock = BusyClock()
+    assert math.isnan(clock.mean_active)
+    # one operation from 0 to 4 s, another from 1 to 3 s inside it, nothing until a third from 10 to 12 s
+    clock.__enter__()
+    now[0] = 1.0
+    clock.__enter__()
+    now[0] = 3.0
+    clock.__exit__(None, None, None)
+    now[0] = 4.0
+    clock.__exit__(None, None, None)
+    now[0] = 10.0
+    with clock:
+        now[0] = 12.0
+    assert clock.total == 6.0                   # 0-4 and 10-12: the gap without an operation not counted
+    assert clock.load == 4.0 + 2.0 + 2.0        # each operation's own duration
+    assert clock.mean_active == 8.0 / 6.0
