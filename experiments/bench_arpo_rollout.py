@@ -107,6 +107,7 @@ def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
     keys = ["rollout/tokens/generated", "rollout/tokens/discarded", "rollout/fill_predicted", "rollout/requests",
             "rollout/rounds", "rollout/branches",
             "rollout/tool_calls/total", "rollout/prefix_cache/hit_rate", "rollout/prefix_cache/branch_hit_rate",
+            "rollout/tokens/prefilled",
             "timing_s/rollout_generate", "timing_s/rollout_tools", "rollout/engine_idle_fraction",
             "rollout/requests_in_flight_mean", "rollout/tokens/monitor", "rollout/aepo/initial_rollouts_mean"]
     out = {"wall_s_median": statistics.median(wall), "wall_s_min": min(wall), "wall_s_all": wall}

@@ -116,6 +116,8 @@ def summarize(m: RolloutMetrics, branches: list[Branch], slots: list[GroupSlots]
         out["rollout/rounds"] = float(c["rounds"])
     if c["prompt_tokens"]:
         out["rollout/prefix_cache/hit_rate"] = c["cached_tokens"] / c["prompt_tokens"]
+        # prompt tokens the engine computed (not served by its prefix cache): the prefill work of every request
+        out["rollout/tokens/prefilled"] = float(c["prompt_tokens"] - c["cached_tokens"])
     if c["branch_prompt_tokens"]:
         out["rollout/prefix_cache/branch_hit_rate"] = c["branch_cached_tokens"] / c["branch_prompt_tokens"]
     total_time = m.time["total"]
