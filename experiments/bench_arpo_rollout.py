@@ -109,7 +109,8 @@ def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
             "rollout/tool_calls/total", "rollout/prefix_cache/hit_rate", "rollout/prefix_cache/branch_hit_rate",
             "rollout/tokens/prefilled",
             "timing_s/rollout_generate", "timing_s/rollout_tools", "rollout/engine_idle_fraction",
-            "rollout/requests_in_flight_mean", "rollout/tokens/monitor", "rollout/aepo/initial_rollouts_mean"]
+            "rollout/requests_in_flight_mean", "rollout/last_start_frac", "rollout/tail_after_half_done_frac",
+            "rollout/tokens/monitor", "rollout/aepo/initial_rollouts_mean"]
     out = {"wall_s_median": statistics.median(wall), "wall_s_min": min(wall), "wall_s_all": wall}
     optional = {"rollout/tokens/monitor", "rollout/aepo/initial_rollouts_mean"}  # AEPO's pre-monitoring only
     out.update({k.split("/", 1)[1]: pick.get(k) for k in keys if k in pick or k not in optional})

@@ -260,7 +260,7 @@ class RolloutCall:
         self.task_event = asyncio.Event()
 
     async def run(self) -> list[Trajectory]:
-        t_start = time.perf_counter()
+        t_start = self.m.started_at = time.perf_counter()
         from tqdm.auto import tqdm
 
         progress = tqdm(total=self.n_groups * self.cfg.n, desc="rollout", unit="traj",

@@ -64,6 +64,9 @@ class Branch:
     discarded: bool = False
     #: its first request has come back (group-scope initial entropy waits for every initial root's)
     started: bool = False
+    #: when its first request was sent and its last came back (time.perf_counter; the rollout's critical path)
+    sent_at: float | None = None
+    done_at: float | None = None
     #: metric counts and samples of its own tool calls and entropies (a dropped speculative fill's describe
     #: no row of the batch, so they are summed over the kept trajectories only)
     tally: Counter = field(default_factory=Counter)

@@ -59,6 +59,7 @@ class RolloutMetrics:
         self.time: Counter[str] = Counter()
         self.generate_clock = BusyClock()
         self.tools_clock = BusyClock()
+        self.started_at = 0.0  # time.perf_counter() when the call began
 
 
 def summarize(m: RolloutMetrics, branches: list[Branch], slots: list[GroupSlots], schedule: str) -> dict[str, float]:
@@ -127,4 +128,11 @@ def summarize(m: RolloutMetrics, branches: list[Branch], slots: list[GroupSlots]
         # requests it had at once otherwise (a fuller batch makes each decode step cost less per token)
         out["rollout/engine_idle_fraction"] = max(0.0, 1.0 - m.generate_clock.total / total_time)
         out["rollout/requests_in_flight_mean"] = m.generate_clock.mean_active
+        # the critical path, as shares of the call: when the last row started (forks and fills start late), and
+        # how long the call ran after half its rows had finished (the tail a few long trajectories hold up)
+        sent = [t.sent_at for t in kept if t.sent_at is not None]
+        done = sorted(t.done_at for t in kept if t.done_at is not None)
+        if sent and done:
+            out["rollout/last_start_frac"] = (max(sent) - m.started_at) / total_time
+            out["rollout/tail_after_half_done_frac"] = (done[-1] - done[(len(done) - 1) // 2]) / total_time
     return out

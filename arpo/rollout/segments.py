@@ -15,6 +15,7 @@ requests, or in an undetokenised request) is cut here, where an engine matching 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Sequence
 
 from arpo.engine.base import GenerationEngine, GenerationOutput, SamplingParams
@@ -111,8 +112,11 @@ class SegmentRequester:
         first_of_branch = b.kind == "branch" and b.n_requests == 0
         b.n_requests += 1
         prompt = b.prompt_ids + b.response_ids + list(after or [])
+        if b.sent_at is None:
+            b.sent_at = time.perf_counter()
         with self.m.generate_clock:
             out = await self.engines[b.group].generate(prompt, params, request_id)
+        b.done_at = time.perf_counter()
         c = self.m.count
         c["requests"] += 1
         if out.num_cached_tokens is not None:
