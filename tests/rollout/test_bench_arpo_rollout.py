@@ -27,6 +27,7 @@ def test_bench_prints_every_mode_and_ratio():
         assert len(m["wall_s_all"]) == 2 and m["wall_s_min"] == min(m["wall_s_all"]) > 0
         assert m["tokens/generated"] > 0 and m["requests"] > 0 and m["tokens_per_s"] > 0
         assert 0 <= m["engine_idle_fraction"] < 1 and m["requests_in_flight_mean"] >= 1
+        assert 0 <= m["last_start_frac"] <= 1 and 0 <= m["tail_after_half_done_frac"] <= 1
     assert result["single"]["branches"] == 0
     assert result["single"]["tool_calls/total"] > 0 and result["single"]["rollout_tools"] >= 0.005
     assert result["arpo_no_fill_prediction"]["fill_predicted"] == 0

@@ -28,3 +28,21 @@ def test_busy_time_counts_overlap_once_and_load_counts_each_operation(monkeypatc
     assert clock.total == 6.0                   # 0-4 and 10-12: the gap without an operation not counted
     assert clock.load == 4.0 + 2.0 + 2.0        # each operation's own duration
     assert clock.mean_active == 8.0 / 6.0
+
+
+def test_forks_start_late_where_plain_sampling_starts_every_row_at_once():
+    """``rollout/last_start_frac`` measures ARPO's critical path: a fork cannot start before its parent's tool
+    result, while plain sampling sends every row's first request at once."""
+    from arpo.testing.scripted_engine import ScriptedEngine, ToyTokenizer
+    from tests.rollout.rollout_helpers import BASE, CALLER, rollout
+
+    def metrics(mode: str) -> dict:
+        engine = ScriptedEngine(ToyTokenizer(), policy=CALLER, latency_s=0.01)
+        batch, _, _ = rollout({**BASE, "mode": mode}, engine=engine, n_prompts=2, seed=1)
+        return batch.meta["metrics"]
+
+    arpo, single = metrics("arpo"), metrics("single")
+    assert arpo["rollout/branches"] > 0 and single["rollout/branches"] == 0
+    assert single["rollout/last_start_frac"] < 0.2 < arpo["rollout/last_start_frac"] <= 1
+    for m in (arpo, single):
+        assert 0 < m["rollout/tail_after_half_done_frac"] < 1 and m["rollout/requests_in_flight_mean"] >= 1
