@@ -110,6 +110,7 @@ def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
             "rollout/tokens/prefilled",
             "timing_s/rollout_generate", "timing_s/rollout_tools", "rollout/engine_idle_fraction",
             "rollout/requests_in_flight_mean", "rollout/last_start_frac", "rollout/tail_after_half_done_frac",
+            "rollout/branch_decisions_waited", "timing_s/rollout_grant_wait",
             "rollout/tokens/monitor", "rollout/aepo/initial_rollouts_mean"]
     out = {"wall_s_median": statistics.median(wall), "wall_s_min": min(wall), "wall_s_all": wall}
     optional = {"rollout/tokens/monitor", "rollout/aepo/initial_rollouts_mean"}  # AEPO's pre-monitoring only

@@ -37,6 +37,7 @@ is high enough (speculatively: outside the budget, dropped if branching takes it
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
@@ -208,6 +209,8 @@ class PendingDecision:
     wants: int
     #: called with the number of slots granted; creates that many forks (siblings 0, 1, ...)
     grant: Callable[[int], None]
+    #: time.perf_counter() when it was queued (the wait is a metric: it delays the forks, never changes them)
+    since: float = 0.0
 
 
 class GroupSlots:
@@ -223,8 +226,9 @@ class GroupSlots:
         self.lookahead, self.budget, self.group = lookahead, budget, group
         self.members, self.first_depth, self.grant_order = members, first_depth, grant_order
         self.pending: list[PendingDecision] = []
-        #: decisions that had to wait for their turn (metric)
+        #: decisions that had to wait for their turn, and their seconds waited in all (metrics)
         self.waited = 0
+        self.wait_s = 0.0
 
     def _future_forks(self, member: Any) -> int:
         first = self.first_depth(member)
@@ -250,7 +254,7 @@ class GroupSlots:
         if self.grant_order == "first_come" or uncontended:
             grant(self.budget.reserve(wants))
             return True
-        self.pending.append(PendingDecision(member, depth, wants, grant))
+        self.pending.append(PendingDecision(member, depth, wants, grant, time.perf_counter()))
         self.waited += 1
         return False
 
@@ -269,6 +273,7 @@ class GroupSlots:
                 if depth is not None and (depth, canonical(m.key)) < place:
                     return
             self.pending.remove(first)
+            self.wait_s += time.perf_counter() - first.since
             first.grant(self.budget.reserve(first.wants))
 
     def spare(self) -> int:

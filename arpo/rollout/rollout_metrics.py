@@ -82,6 +82,8 @@ def summarize(m: RolloutMetrics, branches: list[Branch], slots: list[GroupSlots]
         "rollout/branch_points": float(c["branch_points"]),
         "rollout/branch_points_damped": float(c["branch_points_damped"]),
         "rollout/branch_decisions_waited": float(sum(s.waited for s in slots)),
+        # seconds the waiting decisions waited for their turn, summed (their forks started that much later)
+        "timing_s/rollout_grant_wait": float(sum(s.wait_s for s in slots)),
         "rollout/fill_fresh": float(c["fill_fresh"]),
         "rollout/fill_duplicate": float(c["fill_duplicate"]),
         "rollout/fill_discarded": float(c["fill_discarded"]),

@@ -46,3 +46,19 @@ def test_forks_start_late_where_plain_sampling_starts_every_row_at_once():
     assert single["rollout/last_start_frac"] < 0.2 < arpo["rollout/last_start_frac"] <= 1
     for m in (arpo, single):
         assert 0 < m["rollout/tail_after_half_done_frac"] < 1 and m["rollout/requests_in_flight_mean"] >= 1
+
+
+def test_grant_wait_is_timed_for_ordered_grants_and_zero_first_come():
+    """``timing_s/rollout_grant_wait``: the seconds branching decisions queued for their turn in the fixed grant
+    order (which keeps the batch independent of timing); first-come grants never queue."""
+    from arpo.testing.scripted_engine import ScriptedEngine, ToyTokenizer
+    from tests.rollout.rollout_helpers import BASE, CALLER, rollout
+
+    def metrics(grant: str) -> dict:
+        engine = ScriptedEngine(ToyTokenizer(), policy=CALLER, latency_s=0.01)
+        batch, _, _ = rollout({**BASE, "schedule.branch_grant": grant}, engine=engine, n_prompts=2, seed=1)
+        return batch.meta["metrics"]
+
+    ordered, first_come = metrics("ordered"), metrics("first_come")
+    assert ordered["rollout/branch_decisions_waited"] > 0 and ordered["timing_s/rollout_grant_wait"] > 0
+    assert first_come["rollout/branch_decisions_waited"] == 0 and first_come["timing_s/rollout_grant_wait"] == 0
