@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from arpo.trainer.actor_config import cfg_get, mini_batch_rows, resolve_tree_packing, rollout_n, rollout_temperature
+from arpo.trainer.actor_config import cfg_get, resolve_tree_packing, rollout_n, rollout_temperature
 from arpo.trainer.logprobs import DEFAULT_CHUNK_SIZE
 
 
@@ -53,13 +53,19 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
-class PolicyLossConfig:
-    """``actor_rollout_ref.actor`` (verl's dp_actor keys) plus ``algorithm.rollout_correction``'s weights."""
+class UpdateConfig:
+    """The keys verl's dp_actor and dp_critic share: how an update walks its mini-batch and clips its gradient."""
 
     ppo_micro_batch_size_per_gpu: int = 1
     ppo_epochs: int = 1
     grad_clip: float = 1.0
     loss_agg_mode: str = "token-mean"
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig(UpdateConfig):
+    """``actor_rollout_ref.actor`` (verl's dp_actor keys) plus ``algorithm.rollout_correction``'s weights."""
+
     clip_ratio: float = 0.2
     clip_ratio_low: float | None = None     # None: clip_ratio
     clip_ratio_high: float | None = None
@@ -76,14 +82,10 @@ class PolicyLossConfig:
 
 
 @dataclass(frozen=True)
-class ValueLossConfig:
+class ValueLossConfig(UpdateConfig):
     """``critic`` (verl's dp_critic keys)."""
 
-    ppo_micro_batch_size_per_gpu: int = 1
     forward_micro_batch_size_per_gpu: int = 8
-    ppo_epochs: int = 1
-    grad_clip: float = 1.0
-    loss_agg_mode: str = "token-mean"
     cliprange_value: float = 0.5
 
 
@@ -91,7 +93,6 @@ class ValueLossConfig:
 class WorkerConfig:
     """Everything one rank of ``role`` (actor, ref or critic) reads from the config."""
 
-    role: str
     model: ModelConfig
     optim: OptimConfig
     policy: PolicyLossConfig
@@ -124,9 +125,8 @@ class WorkerConfig:
         mini_key = "critic.ppo_mini_batch_size" if role == "critic" else "actor_rollout_ref.actor.ppo_mini_batch_size"
         log_prob_key = "ref" if role == "ref" else "rollout"
         return cls(
-            role=role, model=model, optim=optim, policy=policy, value=value,
-            mini_batch_rows=(int(cfg_get(cfg, mini_key, 1)) * rollout_n(cfg) if role == "critic"
-                             else mini_batch_rows(cfg)),
+            model=model, optim=optim, policy=policy, value=value,
+            mini_batch_rows=int(cfg_get(cfg, mini_key, 1)) * rollout_n(cfg),
             log_prob_micro_batch_size=int(cfg_get(
                 cfg, f"actor_rollout_ref.{log_prob_key}.log_prob_micro_batch_size_per_gpu", 8)),
             temperature=rollout_temperature(cfg),
