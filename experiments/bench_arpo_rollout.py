@@ -25,7 +25,8 @@ Modes: ``arpo`` (the default config) and ``single`` (plain GRPO) always run; ``a
 speculative fills per group, default M − N, no prediction);
 ``single_logprobs`` and ``arpo_all_logprobs`` ask for top-k logprobs on every token (``return_entropy``),
 which shows what entropy measurement costs; ``arpo_first_come`` grants branch slots first come, first
-served instead of in a fixed order; ``arpo_fill_duplicate`` pads groups with copies of their last trajectory
+served instead of in a fixed order; ``arpo_no_speculative_forks`` keeps the order but starts a waiting
+decision's forks only when its turn comes; ``arpo_fill_duplicate`` pads groups with copies of their last trajectory
 (the released code) instead of fresh fills; ``arpo_rounds`` and ``single_rounds`` run ``schedule: rounds`` (all
 trajectories step together) against the ``--schedule`` of the others (default ``async``), and are compared
 with each other. ``--modes`` picks a subset. The prefix cache is reset before every run so no run inherits
@@ -110,7 +111,8 @@ def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
             "rollout/tokens/prefilled",
             "timing_s/rollout_generate", "timing_s/rollout_tools", "rollout/engine_idle_fraction",
             "rollout/requests_in_flight_mean", "rollout/last_start_frac", "rollout/tail_after_half_done_frac",
-            "rollout/branch_decisions_waited", "timing_s/rollout_grant_wait",
+            "rollout/branch_decisions_waited", "timing_s/rollout_grant_wait", "rollout/branches_speculative",
+            "rollout/branches_dropped",
             "rollout/tokens/monitor", "rollout/aepo/initial_rollouts_mean"]
     out = {"wall_s_median": statistics.median(wall), "wall_s_min": min(wall), "wall_s_all": wall}
     optional = {"rollout/tokens/monitor", "rollout/aepo/initial_rollouts_mean"}  # AEPO's pre-monitoring only
@@ -162,6 +164,8 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         "arpo_fill_duplicate": {**arpo, "schedule.fill": "duplicate"},
         # slots to whichever decision comes first: what ordered grants (same batch whatever the timing) cost
         "arpo_first_come": {**arpo, "schedule.branch_grant": "first_come"},
+        # ordered grants whose waiting decisions start no forks before their turn: what speculative forks save
+        "arpo_no_speculative_forks": {**arpo, "schedule.speculative_forks": False},
         # the round-synchronous loop (released code's; exact replay): what the per-trajectory tasks save
         "arpo_rounds": {**arpo, "schedule.mode": "rounds"},
         # the successors at the same budget: AEPO (ARPO damped after consecutive forks on a path) and

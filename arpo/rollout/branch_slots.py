@@ -234,11 +234,16 @@ class GroupSlots:
         first = self.first_depth(member)
         return 0 if first is None else self.lookahead.tree_forks(self.group, member.key, member.h_initial, first)
 
+    def _counted(self) -> list[PendingDecision]:
+        """The waiting decisions not already bounded by an ancestor's: a speculative fork's decisions are among
+        the decisions its parent's waiting decision bounds (``tree_forks`` of the fork)."""
+        return [d for d in self.pending if not _speculative(d.member)]
+
     def forks_bound(self, exclude: Any = None) -> int:
         """Most slots the decisions still to come (of every member but ``exclude``) and the waiting decisions
         (with the forks they would make) can take."""
         bound = sum(self._future_forks(m) for m in self.members if m is not exclude)
-        for d in self.pending:
+        for d in self._counted():
             m = d.member
             bound += sum(1 + self.lookahead.tree_forks(self.group, m.key + (d.depth, j), m.h_initial, d.depth + 1)
                          for j in range(d.wants))
@@ -247,10 +252,11 @@ class GroupSlots:
     def offer(self, member: Any, depth: int, wants: int, grant: Callable[[int], None]) -> bool:
         """A decision of ``member`` after its ``depth``-th call asks for ``wants`` forks: grant them now
         (``grant(n)`` with the slots reserved) or queue the decision; True if it was settled now. The member
-        must already count as past this decision in ``first_depth``."""
+        must already count as past this decision in ``first_depth``. A speculative member's decision always
+        waits: the member holds no slot yet, and its parent's waiting decision comes first in the order."""
         if wants == 0 or self.budget.remaining == 0:  # slots are never given back: 0 now is 0 in any order
             return True
-        uncontended = self.budget.remaining - self.forks_bound(exclude=member) >= wants
+        uncontended = not _speculative(member) and self.budget.remaining - self.forks_bound(exclude=member) >= wants
         if self.grant_order == "first_come" or uncontended:
             grant(self.budget.reserve(wants))
             return True
@@ -272,9 +278,15 @@ class GroupSlots:
                 depth = self.lookahead.earliest_wanting_depth(self.group, m.key, m.h_initial, start)
                 if depth is not None and (depth, canonical(m.key)) < place:
                     return
+            assert not _speculative(first.member), "a speculative fork's decision came before its parent's"
             self.pending.remove(first)
             self.wait_s += time.perf_counter() - first.since
             first.grant(self.budget.reserve(first.wants))
+
+    def forget(self, members: Iterable[Any]) -> None:
+        """Drop the waiting decisions of ``members`` (speculative forks that did not get a slot)."""
+        gone = {id(m) for m in members}
+        self.pending = [d for d in self.pending if id(d.member) not in gone]
 
     def spare(self) -> int:
         """Slots no branching decision can take any more: the fills' (call :meth:`resolve` first, so that
@@ -297,7 +309,7 @@ class GroupSlots:
             if start is not None:
                 forks = _convolve(forks, look.fork_distribution(g, m.key, m.h_initial, start, reach, cap,
                                                                 call_made(m)), cap)
-        for d in self.pending:
+        for d in self._counted():
             for j in range(d.wants):
                 child = look.fork_distribution(g, d.member.key + (d.depth, j), d.member.h_initial, d.depth + 1,
                                                reach, cap)
@@ -331,6 +343,10 @@ class GroupSlots:
         n = len(parent_key)
         siblings = sum(1 for k in existing if len(k) == n + 2 and k[:n] == parent_key and k[n] == depth)
         return parent_key + (depth, siblings)
+
+
+def _speculative(member: Any) -> bool:
+    return getattr(member, "speculative", False)
 
 
 def _point(n: int, cap: int) -> list[float]:

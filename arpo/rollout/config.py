@@ -117,6 +117,7 @@ class ScheduleConfig:
 
     mode: str = "async"
     branch_grant: str = "ordered"
+    speculative_forks: bool = True
     fill: str = "fresh"
     speculative_fill: int = 0
     fill_probability: float | None = 0.35
@@ -124,6 +125,8 @@ class ScheduleConfig:
     def validate(self, need: _Checker) -> None:
         need(self.mode in SCHEDULES, "mode", self.mode, f"use one of {SCHEDULES}")
         need(self.branch_grant in GRANTS, "branch_grant", self.branch_grant, f"use one of {GRANTS}")
+        need(isinstance(self.speculative_forks, bool), "speculative_forks", self.speculative_forks,
+             "use true or false")
         need(self.fill in FILLS, "fill", self.fill, f"use one of {FILLS}")
         need(_int(self.speculative_fill, 0), "speculative_fill", self.speculative_fill,
              "use an integer >= 0 (0: off)")

@@ -62,7 +62,7 @@ class Arpo(Sampling):
 
     def top_up(self, tree: "RolloutTree", g: int) -> None:
         group, budget = tree.by_group[g], tree.budgets[g]
-        if budget.remaining == 0 and not any(b.speculative for b in group):
+        if budget.remaining == 0 and not any(b.speculative and b.kind == "fill" for b in group):
             return
         if self.cfg.schedule.fill == "fresh":
             self._fill_fresh(tree, g)
@@ -84,20 +84,16 @@ class Arpo(Sampling):
         tree.m.count["fill_duplicate"] += granted
 
     def _fill_fresh(self, tree: "RolloutTree", g: int) -> None:
-        spec = [b for b in tree.by_group[g] if b.speculative]
+        spec = [b for b in tree.by_group[g] if b.speculative and b.kind == "fill"]
         plan = tree.slots[g].plan_fills(len(spec), self.cfg.schedule.fill_probability, tree.call_rates.reach(g),
                                         lambda b: b.phase in (Phase.TOOL, Phase.PROBE))
         for b in spec[: plan.confirm]:
-            b.speculative = False
-            if b.phase is Phase.DONE:
-                tree.count_finished(b)
+            tree.confirm(b)
         for _ in range(plan.start):
             tree.new_root(g, "fill")
         tree.m.count["fill_fresh"] += plan.confirm + plan.start
         for b in spec[len(spec) - plan.drop:]:
-            b.speculative, b.discarded, b.phase = False, True, Phase.DONE
-            tree.m.count["fill_discarded"] += 1
-            tree.m.count["tokens_discarded"] += sum(b.response_mask)
+            tree.drop(b)
         for _ in range(plan.predict):
             tree.new_root(g, "fill").speculative = True
         tree.m.count["fill_predicted"] += plan.predict

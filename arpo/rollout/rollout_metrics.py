@@ -82,6 +82,9 @@ def summarize(m: RolloutMetrics, branches: list[Branch], slots: list[GroupSlots]
         "rollout/branch_points": float(c["branch_points"]),
         "rollout/branch_points_damped": float(c["branch_points_damped"]),
         "rollout/branch_decisions_waited": float(sum(s.waited for s in slots)),
+        # forks started before their decision's turn (schedule.speculative_forks), and those that then got no slot
+        "rollout/branches_speculative": float(c["branches_speculative"]),
+        "rollout/branches_dropped": float(c["branches_dropped"]),
         # seconds the waiting decisions waited for their turn, summed (their forks started that much later)
         "timing_s/rollout_grant_wait": float(sum(s.wait_s for s in slots)),
         "rollout/fill_fresh": float(c["fill_fresh"]),

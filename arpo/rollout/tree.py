@@ -235,7 +235,8 @@ class RolloutTree:
         :class:`~arpo.rollout.branch_slots.GroupSlots`: at once, or, under ``schedule.branch_grant: ordered`` when
         other decisions could still compete for the slots, once its turn in the fixed order comes. The
         parent never waits: it goes on generating, and the forks copy its tokens up to ``pos`` (and its
-        records as they are now) when they are granted."""
+        records as they are now). A waiting decision's forks start at once, speculatively
+        (``schedule.speculative_forks``): when its turn comes, the granted ones are kept and the rest dropped."""
         rng = self.lookahead.rng(self.group_ids[b.group], b.key, b.n_calls)
         record["delta_entropy"] = delta_h
         self.m.values["delta_entropy"].append(delta_h)
@@ -248,13 +249,31 @@ class RolloutTree:
         # the records as they are now: the parent updates its last one later (entropy after the tool)
         records = copy.deepcopy([c for c in b.tool_calls if c["end"] <= pos])
         depth, streak = b.n_calls, b.streak
+        started: list[Branch] = []  # forks started speculatively while the decision waits for its turn
+
+        def new_fork() -> Branch:
+            f = self.fork(b, pos, depth, records=records)
+            f.streak = streak
+            return f
 
         def grant(granted: int) -> None:
-            for _ in range(granted):
-                self.fork(b, pos, depth, records=records).streak = streak
+            for f in started[:granted]:
+                self.confirm(f)
+            for f in started[granted:]:
+                self.drop(f)
+            for _ in range(granted - len(started)):
+                new_fork()
             self.m.count["branches"] += granted
 
-        self.slots[b.group].offer(b, depth, wants, grant)
+        if not self.slots[b.group].offer(b, depth, wants, grant) and self.cfg.schedule.speculative_forks:
+            # never more speculative trajectories running than slots left: at most that many can be kept
+            group = self.by_group[b.group]
+            room = self.budgets[b.group].remaining - sum(x.speculative for x in group)
+            for _ in range(min(wants, max(0, room))):
+                f = new_fork()
+                f.speculative = True
+                started.append(f)
+            self.m.count["branches_speculative"] += len(started)
 
     def first_decision_depth(self, b: Branch) -> int | None:
         """Tool-call depth of the next decision ``b`` can still take (None: none)."""
@@ -267,8 +286,24 @@ class RolloutTree:
     # ---- finishing and filling ----------------------------------------------------------------------
     def _finish(self, b: Branch, reason: str) -> None:
         b.phase, b.finish_reason = Phase.DONE, reason
-        if b.in_batch and not b.speculative:  # a speculative fill is counted when it is confirmed
+        if b.in_batch and not b.speculative:  # a speculative one is counted when it is confirmed
             self.count_finished(b)
+
+    def confirm(self, b: Branch) -> None:
+        """A speculative fill or fork took its slot: it is a row of the batch."""
+        b.speculative = False
+        if b.phase is Phase.DONE:
+            self.count_finished(b)
+
+    def drop(self, b: Branch) -> None:
+        """A speculative fill or fork did not get a slot: it and the speculative forks of its own waiting
+        decisions are thrown away (their tokens counted as discarded), and those decisions with them."""
+        gone = [x for x in self.by_group[b.group] if x.key[: len(b.key)] == b.key and not x.discarded]
+        for x in gone:
+            x.speculative, x.discarded, x.phase = False, True, Phase.DONE
+            self.m.count["tokens_discarded"] += sum(x.response_mask[x.branch_pos:])
+            self.m.count["fill_discarded" if x.kind == "fill" else "branches_dropped"] += 1
+        self.slots[b.group].forget({x.tid for x in gone})
 
     def count_finished(self, b: Branch) -> None:
         self.m.count[f"finish/{b.finish_reason}"] += 1
@@ -288,7 +323,7 @@ class RolloutTree:
         followed by its forks), which does not depend on the order they were created in; a parent always
         precedes its children."""
         ordered = sorted((b for b in self.branches if b.in_batch), key=lambda b: (b.group,) + canonical(b.key))
-        assert all(not b.speculative for b in ordered), "a speculative fill was neither confirmed nor dropped"
+        assert all(not b.speculative for b in ordered), "a speculative trajectory was neither confirmed nor dropped"
         index = {b.tid: i for i, b in enumerate(ordered)}
         return [b.trajectory(index[b.parent] if b.parent >= 0 else -1, self.cfg.return_entropy,
                              self.cfg.calculate_log_probs) for b in ordered]

@@ -79,6 +79,7 @@ CASES = {
     "paper timing, group entropy": {"branching.timing": "paper", "branching.rule": "paper",
                                     "entropy.initial_scope": "group"},
     "speculative fills": {"schedule.speculative_fill": 2},
+    "no speculative forks": {"schedule.speculative_forks": False},
     "no fill prediction, first come": {"schedule.fill_probability": None, "schedule.branch_grant": "first_come",
                                        "schedule.mode": "rounds"},
     "duplicate fills": {"schedule.fill": "duplicate", "schedule.fill_probability": None},

@@ -135,7 +135,12 @@ def check_invariants(batch: DataBatch, cfg: ARPORolloutConfig, tok, n_prompts: i
     assert m["rollout/tokens/generated"] == generated + m["rollout/tokens/discarded"] + m.get("rollout/tokens/monitor", 0)
     assert ("rollout/tokens/monitor" in m) == cfg.pre_monitoring
     if cfg.schedule.speculative_fill == 0 and cfg.schedule.fill_probability is None:
-        assert m["rollout/tokens/discarded"] == 0 and m["rollout/fill_discarded"] == 0
+        assert m["rollout/fill_discarded"] == 0
+        if m["rollout/branches_dropped"] == 0:
+            assert m["rollout/tokens/discarded"] == 0
+    if not cfg.schedule.speculative_forks or cfg.schedule.branch_grant == "first_come":
+        assert m["rollout/branches_speculative"] == 0 == m["rollout/branches_dropped"]
+    assert m["rollout/branches_dropped"] <= m["rollout/branches_speculative"]
     if cfg.schedule.fill_probability is None:
         assert m["rollout/fill_predicted"] == 0
     # what describes the batch counts its rows only, not the dropped speculative fills

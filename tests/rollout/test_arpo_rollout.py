@@ -59,29 +59,73 @@ class ShuffledLatency(ScriptedEngine):
 def test_same_batch_whatever_the_schedule_and_the_completion_order():
     # the budget binds (branching and fills compete for slots), and requests complete in random orders
     snaps = []
-    for schedule, order in (("rounds", None), ("rounds", 1), ("async", 1), ("async", 2), ("async", None)):
+    for schedule, order, spec in (("rounds", None, False), ("rounds", 1, True), ("async", 1, True),
+                                  ("async", 2, False), ("async", None, True)):
         engine = ShuffledLatency(order) if order is not None else ScriptedEngine()
-        batch, _, _ = rollout({**BASE, "schedule.mode": schedule}, seed=3, n_prompts=3, engine=engine)
+        batch, _, _ = rollout({**BASE, "schedule.mode": schedule, "schedule.speculative_forks": spec}, seed=3,
+                              n_prompts=3, engine=engine)
         m = batch.meta["metrics"]
         assert m["rollout/fill_fresh"] > 0 and m["rollout/branches"] > 0 and m["rollout/branch_decisions_waited"] > 0
+        assert (m["rollout/branches_speculative"] > 0) == spec
         snaps.append(snapshot(batch))
     assert all(s == snaps[0] for s in snaps)
+
+
+class SlowFirstRoot(ScriptedEngine):
+    """Answers each group's first root's first request late, so its sibling's decision comes first."""
+
+    async def generate(self, prompt_ids, sampling_params, request_id):
+        if request_id.endswith("-t0-r0"):
+            await asyncio.sleep(0.05)
+        return await super().generate(prompt_ids, sampling_params, request_id)
+
+
+def test_speculative_forks_keep_the_batch_waiting_gives_and_drop_what_is_not_granted():
+    # beam 3 and every draw forks: each root's first decision asks for 2 forks with 2 slots left, and root 0
+    # comes first in the order. async: root 0 is slow, so root 1 decides first, waits, and starts its 2 forks
+    # speculatively; nothing else may speculate (no slot left for another), and root 0's decision takes both
+    # slots: root 1's forks are dropped. rounds: root 0 decides first in the round and starts its 2, root 1
+    # starts none, and root 0's are kept
+    cfg = {"n": 4, "initial_rollouts": 2, "branching.beam_size": 3, "branching.branch_probability": 1.0,
+           "branching.entropy_weight": 0.0, "tools.call_limit": 2, "sampling.max_response_length": 300,
+           "return_entropy": True, "schedule.fill_probability": None}
+    snaps = {}
+    for spec in (True, False):
+        for schedule in ("async", "rounds"):
+            engine = SlowFirstRoot(policy=CALLER)
+            batch, _, gen = rollout({**cfg, "schedule.mode": schedule, "schedule.speculative_forks": spec}, CALLER,
+                                    seed=1, n_prompts=2, engine=engine)
+            check_invariants(batch, gen.config, engine.tokenizer, 2)
+            m = batch.meta["metrics"]
+            assert m["rollout/branches"] == 4 and m["rollout/branch_decisions_waited"] >= 2
+            assert list(batch["rollout_kind"]).count("branch") == 4
+            if spec:
+                assert m["rollout/branches_speculative"] == 4
+                assert m["rollout/branches_dropped"] == (4 if schedule == "async" else 0)
+                assert (m["rollout/tokens/discarded"] > 0) == (schedule == "async")
+            else:
+                assert m["rollout/branches_speculative"] == m["rollout/tokens/discarded"] == 0
+            assert engine.in_flight == 0
+            snaps[spec, schedule] = snapshot(batch)
+    assert all(s == snaps[False, "rounds"] for s in snaps.values())
 
 
 @pytest.mark.parametrize("seed", range(24))
 def test_same_batch_whatever_the_schedule_over_random_configs(seed):
     cfg, policy, tools, split_tags, n_prompts = random_case(1000 + seed)
     snaps = []
-    for schedule, order in (("rounds", None), ("async", seed), ("async", seed + 1)):
+    for schedule, order, spec in (("rounds", None, False), ("async", seed, True), ("async", seed + 1, False),
+                                  ("rounds", seed, True)):
         tok = ToyTokenizer(split_tags=split_tags)
         engine = ShuffledLatency(order, tokenizer=tok, policy=policy) if order is not None else \
             ScriptedEngine(tok, policy=policy)
-        batch, engine, gen = rollout({**cfg, "schedule.mode": schedule, "schedule.branch_grant": "ordered"}, policy,
+        batch, engine, gen = rollout({**cfg, "schedule.mode": schedule, "schedule.branch_grant": "ordered",
+                                      "schedule.speculative_forks": spec}, policy,
                                      n_prompts=n_prompts, seed=seed, tools=tools, engine=engine)
         check_invariants(batch, gen.config, engine.tokenizer, n_prompts)
         assert engine.in_flight == 0
         snaps.append(snapshot(batch))
-    assert snaps[1] == snaps[0] and snaps[2] == snaps[0]
+    assert all(s == snaps[0] for s in snaps[1:])
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -20,6 +20,7 @@ class Member:
     key: tuple
     next_depth: int | None = 1
     h_initial: float | None = 0.1
+    speculative: bool = False
 
 
 def slots_for(members, total, cfg=None, call_limit=3, grant_order="ordered"):
@@ -85,6 +86,21 @@ def test_a_contended_decision_waits_for_the_ones_before_it_in_the_order():
     slots.resolve()
     assert granted == [("a", 1), 0] and not slots.pending and budget.remaining == 0
     assert a_pending.member is a
+
+
+def test_a_speculative_forks_decision_waits_behind_its_parents_and_is_bounded_by_it():
+    a, b = Member(("initial", 0)), Member(("initial", 1), next_depth=None)
+    slots, budget = slots_for([a, b], total=6)  # four slots left
+    b_fork = Member(("initial", 1, 1, 0), next_depth=None, speculative=True)  # started while b's decision waits
+    slots.members.append(b_fork)
+    slots.pending.append(PendingDecision(b, 1, 1, lambda n: None))
+    bound = slots.forks_bound()  # b's waiting fork and everything it may fork later: 1 + its tree
+    assert bound == slots.forks_bound(exclude=b_fork)
+    # the fork's own decision, uncontended or not, waits: it holds no slot, and its parent's decision comes first
+    assert not slots.offer(b_fork, 2, 1, lambda n: None)
+    assert slots.forks_bound() == bound  # its parent's term already bounds it
+    slots.forget([b_fork])
+    assert [d.member for d in slots.pending] == [b] and budget.remaining == 4
 
 
 def test_a_decision_is_granted_at_once_when_no_one_else_can_compete():
