@@ -63,7 +63,9 @@ so no draw depends on the order requests complete in. A trajectory's identity is
 number, sibling number), so the draws of decisions of forks not yet made are known too. With
 ``schedule.branch_grant: ordered`` (default) budget slots also go to decisions in a fixed order (see
 :class:`~arpo.rollout.branch_slots.GroupSlots`), so a deterministic engine gives the same batch for a seed
-under either schedule, whatever order requests and tool calls complete in.
+under either schedule, whatever order requests and tool calls complete in. A decision that waits for its turn
+starts its forks at once, outside the budget (``schedule.speculative_forks``), and keeps those it is granted:
+a fork's tokens depend on its identity, not on when it started, so the wait costs no latency.
 ``first_come`` grants slots as decisions arrive: replayable under ``schedule.mode: rounds`` (decisions are taken
 in a fixed order there), timing-dependent under ``async``. A call without an explicit seed uses ``seed``
 mixed with the call count, so a fresh generator replays the same sequence of batches.

@@ -21,7 +21,9 @@ over its remaining decisions' possible candidates, recursively (capped at M).
 trajectory's place in the tree (:func:`canonical`) — each taking what it asks for while slots last,
 whatever order decisions arrive in, so a deterministic engine gives the same batch under any schedule. A
 decision takes its forks at once when the slots left cover the most every other decision could still ask
-for; otherwise it waits until no decision before it in that order can still appear and ask for a fork.
+for; otherwise it waits until no decision before it in that order can still appear and ask for a fork
+(meanwhile the tree may run its forks speculatively, ``schedule.speculative_forks``: their own decisions wait
+behind it, and its term in :meth:`GroupSlots.forks_bound` already bounds them).
 ``first_come`` (the released code) grants as decisions arrive. Fresh fills take the slots left over once
 that most is subtracted, at any time: fills never branch, so branching sees the same budget as if they came
 last.
