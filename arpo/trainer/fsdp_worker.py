@@ -344,16 +344,45 @@ class ActorWorker:
     # ------------------------------------------------------------------------------------------------
 
     def state_dict_for_engine(self) -> dict[str, torch.Tensor] | None:
-        """The full (unsharded) state dict on CPU in HF names, on rank 0 (None elsewhere). Collective."""
+        """The full (unsharded) state dict on CPU in HF names, on rank 0 (None elsewhere). Collective. On CUDA
+        it lands in page-locked buffers kept between syncs (:meth:`host_state_dict`); elsewhere in fresh
+        tensors (DCP's full state dict, offloaded)."""
+        if self.device.type == "cuda":
+            return self.host_state_dict(pin_memory=True)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return None
-        if getattr(self.model.config, "tie_word_embeddings", False):
-            # A tied head is the embedding; HF checkpoints (and vLLM's loader) store it once.
+        if self._tied_head():
             state.pop("lm_head.weight", None)
         return state
+
+    def _tied_head(self) -> bool:
+        # A tied head is the embedding; HF checkpoints (and vLLM's loader) store it once.
+        return bool(getattr(self.model.config, "tie_word_embeddings", False))
+
+    def host_state_dict(self, pin_memory: bool) -> dict[str, torch.Tensor] | None:
+        """The full state dict in host buffers that this worker keeps and overwrites at every call, on rank 0
+        (None elsewhere); collective. Each tensor is gathered on the device and copied without waiting, one
+        wait at the end: on an H100 a pageable copy per tensor was most of the sync's GPU time. ``pin_memory``
+        needs CUDA; without it this is the plain path (tests compare both with DCP's full state dict)."""
+        buffers = self.__dict__.setdefault("_host_buffers", {})
+        state = {}
+        for name, t in self.model.state_dict().items():
+            if name == "lm_head.weight" and self._tied_head():
+                continue
+            full = full_tensor(t.detach())
+            if self.rank == 0:
+                buf = buffers.get(name)
+                if buf is None or buf.shape != full.shape or buf.dtype != full.dtype:
+                    buf = buffers[name] = torch.empty(full.shape, dtype=full.dtype, pin_memory=pin_memory)
+                buf.copy_(full, non_blocking=pin_memory)
+                state[name] = buf
+            del full
+        if pin_memory:
+            torch.cuda.synchronize(self.device)
+        return state if self.rank == 0 else None
 
     def engine_weights(self) -> dict[str, Any] | None:
         """The full state dict for the engines, on rank 0 (None elsewhere); as a Ray method's result it goes to
