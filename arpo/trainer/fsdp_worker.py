@@ -27,6 +27,7 @@ from arpo.trainer.actor_update import METRIC_KEYS, full_tensor, micro_batch_orde
 from arpo.trainer.device import cpu_has_native_bf16, device_settings_from_config
 from arpo.trainer.logprobs import compute_logprobs_and_entropy
 from arpo.trainer.memory import configure_allocator, memory_stats, release_memory
+from arpo.trainer.tree_attention import use_tree_attention
 from arpo.trainer.tree_packing import (MAX_PACKED_TOKENS, pack_micro_batch, packed_logprobs_and_entropy,
                                        tree_micro_batches, unique_token_count)
 from arpo.trainer.worker_config import WorkerConfig
@@ -116,6 +117,8 @@ class ActorWorker:
             self.device = torch.device("cuda", torch.cuda.current_device())
 
         model = self.load_model()
+        if self.tree_packing:  # packed trees attend segment by segment; every other forward is plain SDPA
+            use_tree_attention(model)
         if self.trainable and self.cfg.model.enable_gradient_checkpointing:
             # Non-reentrant: the recompute re-runs FSDP2's pre-forward hooks (parameters are gathered
             # again) and autocast's state, and it works when the inputs do not require grad.

@@ -12,8 +12,9 @@ In the actor (``actor_rollout_ref.model.tree_packing``) a micro-batch is one tre
 with the same ``tree_id`` (the prompt group) and the same prompt, packed and run in one forward. A row whose
 parent is not in the micro-batch (the tree was split) is packed as a root: less sharing, the same result.
 
-The mask is dense (tokens x tokens) here: right for the CPU-sized groups this repository trains; FlexAttention
-block masks are the way to 30k-token groups.
+An SDPA model switched to :mod:`arpo.trainer.tree_attention` (the actor does this) attends segment by segment
+and never computes a masked-out pair; other models take the dense mask (tokens x tokens, built here either
+way: it is the reference the tests compare with).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import nn
 
 from arpo.batch import DataBatch
 from arpo.trainer.logprobs import DEFAULT_CHUNK_SIZE, ChunkedResponseHead
+from arpo.trainer.tree_attention import TREE_SDPA, TreeSegment, tree_segments
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,8 @@ class PackedGroup:
     pred_index: torch.Tensor     # (L,) packed index of the token before each token in its trajectory (-1: none)
     row_index: torch.Tensor      # (rows, T) packed index of row r's response token t (-1 past its end)
     prompt_len: int
+    #: the same tree as attention segments: what :mod:`arpo.trainer.tree_attention` computes instead of the mask
+    segments: list[TreeSegment]
 
     @property
     def unique_tokens(self) -> int:
@@ -99,8 +103,12 @@ def pack_group(prompt_ids: list[int], responses: list[list[int]], parent: list[i
     row_index = torch.full((n, max(width, 1)), -1, dtype=torch.long)
     for r in range(n):
         row_index[r, : len(paths[r])] = torch.tensor(paths[r], dtype=torch.long)
+    own = [sum(1 for q in paths[r] if owner[q] == r) for r in range(n)]  # a row's own tokens end its path
+    segments = tree_segments(p_len, [(paths[r][-1] + 1 - own[r], paths[r][-1] + 1) if own[r] else (0, 0)
+                                     for r in range(n)],
+                             [list(range(p_len)) + paths[r][: len(paths[r]) - own[r]] for r in range(n)])
     return PackedGroup(torch.tensor(tokens, dtype=torch.long), torch.tensor(positions, dtype=torch.long), allowed,
-                       pred, row_index, p_len)
+                       pred, row_index, p_len, segments)
 
 
 def tree_columns(batch: DataBatch) -> dict[str, torch.Tensor]:
@@ -212,9 +220,13 @@ def packed_logprobs_and_entropy(model: nn.Module, group: PackedGroup, response_l
     chunked = ChunkedResponseHead(head, ids[response][None], needed[None], group.pred_index.to(dev)[response][None],
                                   chunk_size, temperature, calc_entropy, entropy_grad, head_fp32)
     model.lm_head = chunked
+    if getattr(model.config, "_attn_implementation", None) == TREE_SDPA:  # each segment against its own keys
+        attention = {"tree_segments": [seg.to(dev) for seg in group.segments]}
+    else:
+        attention = {"attention_mask": _attention_mask(model, group.allowed.to(dev), torch.float32)}
     try:
-        out = model(input_ids=ids[None], attention_mask=_attention_mask(model, group.allowed.to(dev), torch.float32),
-                    position_ids=group.position_ids.to(dev)[None], use_cache=False)
+        out = model(input_ids=ids[None], position_ids=group.position_ids.to(dev)[None], use_cache=False,
+                    **attention)
     finally:
         model.lm_head = head
     packed = (out.logits if hasattr(out, "logits") else out[0])[0]  # (response tokens, [log-prob, entropy])

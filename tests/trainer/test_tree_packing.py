@@ -12,16 +12,22 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from arpo.trainer.core_algos import compute_policy_loss
 from arpo.trainer.hard_advantage import compute_hard_advantage
+from arpo.trainer.tree_attention import TREE_SDPA, use_tree_attention
 from arpo.trainer.tree_packing import pack_group, packed_response_logprobs
 
 VOCAB = 97
 
 
-def small_model(kind: str) -> torch.nn.Module:
+def small_model(kind: str, attention: str = "dense") -> torch.nn.Module:
+    """``attention``: "tree" switches the model to segment-by-segment tree attention (the actor's), "dense"
+    leaves SDPA, which then takes the tree as a dense mask."""
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     model = Qwen2ForCausalLM(Qwen2Config(**common)) if kind == "qwen2" else LlamaForCausalLM(LlamaConfig(**common))
+    assert model.config._attn_implementation == "sdpa"
+    if attention == "tree":
+        assert use_tree_attention(model) and model.config._attn_implementation == TREE_SDPA
     return model.float().eval()
 
 
@@ -59,10 +65,11 @@ def response_mask(responses, width) -> torch.Tensor:
     return torch.tensor([[1.0] * len(r) + [0.0] * (width - len(r)) for r in responses])
 
 
+@pytest.mark.parametrize("attention", ["dense", "tree"])
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 @pytest.mark.parametrize("seed", range(4))
-def test_packed_logprobs_equal_the_unpacked_forward(kind, seed):
-    model = small_model(kind)
+def test_packed_logprobs_equal_the_unpacked_forward(kind, seed, attention):
+    model = small_model(kind, attention)
     prompt, responses, parent, branch_pos = random_tree(seed)
     group = pack_group(prompt, responses, parent, branch_pos)
     expect_unique = len(prompt) + sum(len(r) - (branch_pos[i] if parent[i] >= 0 else 0)
@@ -76,10 +83,28 @@ def test_packed_logprobs_equal_the_unpacked_forward(kind, seed):
     assert not packed[~mask].any()
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_tree_segments_attend_exactly_what_the_dense_mask_allows(seed):
+    prompt, responses, parent, branch_pos = random_tree(200 + seed, rows=8)
+    group = pack_group(prompt, responses, parent, branch_pos)
+    seen = torch.zeros_like(group.allowed)
+    for seg in group.segments:
+        for q in range(seg.start, seg.end):
+            if seg.keys is None:  # the prompt: causal over itself
+                seen[q, seg.start: q + 1] = True
+            else:
+                seen[q, seg.keys[seg.mask[q - seg.start]]] = True
+    assert torch.equal(seen, group.allowed)
+    assert [s.start for s in group.segments[1:]] == [s.end for s in group.segments[:-1]]
+    pairs = sum((s.end - s.start) * (len(s.keys) if s.keys is not None else s.end - s.start) for s in group.segments)
+    assert pairs <= group.unique_tokens ** 2  # what SDPA computes: never more than the dense mask's tokens²
+
+
+@pytest.mark.parametrize("attention", ["dense", "tree"])
 @pytest.mark.parametrize("mode", ["soft", "hard"])
 @pytest.mark.parametrize("seed", range(3))
-def test_soft_and_hard_loss_gradients_equal_the_unpacked_ones(mode, seed):
-    model = small_model("qwen2")
+def test_soft_and_hard_loss_gradients_equal_the_unpacked_ones(mode, seed, attention):
+    model = small_model("qwen2", attention)
     prompt, responses, parent, branch_pos = random_tree(100 + seed)
     group = pack_group(prompt, responses, parent, branch_pos)
     width = group.row_index.shape[1]
