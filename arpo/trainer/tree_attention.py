@@ -17,7 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import logging
+
 import torch
+
+logger = logging.getLogger(__name__)
 
 TREE_SDPA = "arpo_tree_sdpa"
 
@@ -85,14 +89,17 @@ def use_tree_attention(model: torch.nn.Module) -> bool:
     """Switch an SDPA model to :data:`TREE_SDPA` (registered with transformers on first use); True if it now
     uses it. Other implementations (eager, flash) are left as they are: packed forwards then use the dense
     mask."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     config = getattr(model, "config", None)
     current = getattr(config, "_attn_implementation", None)
     if current == TREE_SDPA:
         return True
     if current != "sdpa":
+        return False
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError as err:  # a transformers without pluggable attention: the dense mask still works
+        logger.warning("tree attention unavailable (%s); packed trees use the dense mask", err)
         return False
     AttentionInterface.register(TREE_SDPA, tree_sdpa_attention)
     AttentionMaskInterface.register(TREE_SDPA, sdpa_mask)
