@@ -281,6 +281,7 @@ class GroupSlots:
                 if depth is not None and (depth, canonical(m.key)) < place:
                     return
             assert not _speculative(first.member), "a speculative fork's decision came before its parent's"
+            assert not getattr(first.member, "discarded", False), "a dropped fork's decision is still waiting"
             self.pending.remove(first)
             self.wait_s += time.perf_counter() - first.since
             first.grant(self.budget.reserve(first.wants))

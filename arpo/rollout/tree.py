@@ -303,7 +303,7 @@ class RolloutTree:
             x.speculative, x.discarded, x.phase = False, True, Phase.DONE
             self.m.count["tokens_discarded"] += sum(x.response_mask[x.branch_pos:])
             self.m.count["fill_discarded" if x.kind == "fill" else "branches_dropped"] += 1
-        self.slots[b.group].forget({x.tid for x in gone})
+        self.slots[b.group].forget(gone)
 
     def count_finished(self, b: Branch) -> None:
         self.m.count[f"finish/{b.finish_reason}"] += 1
