@@ -86,6 +86,8 @@ class ActorWorker:
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.device = torch.device("cpu")
+        #: host buffers of the engine state dict, kept between weight syncs (:meth:`host_state_dict`)
+        self._host_buffers: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------------------------------------
     # set-up
@@ -370,7 +372,7 @@ class ActorWorker:
         (None elsewhere); collective. Each tensor is gathered on the device and copied without waiting, one
         wait at the end: on an H100 a pageable copy per tensor was most of the sync's GPU time. ``pin_memory``
         needs CUDA; without it this is the plain path (tests compare both with DCP's full state dict)."""
-        buffers = self.__dict__.setdefault("_host_buffers", {})
+        buffers = self._host_buffers
         state = {}
         for name, t in self.model.state_dict().items():
             if name == "lm_head.weight" and self._tied_head():
