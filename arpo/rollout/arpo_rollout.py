@@ -38,8 +38,8 @@ Per prompt (a *group*, budget M = ``n``), one call of :meth:`ARPORollout.agenera
    what the look-ahead cannot know is whether a trajectory will call a tool again, so without it the fills
    a group needs mostly start when its last branching trajectory ends, and run late, alone.
 
-Logprobs. Entropy uses the top-k logprobs of a segment's first ``entropy.window`` tokens, requested so that
-vLLM does not detokenise their candidates (:mod:`arpo.rollout.segments`).
+Logprobs. Entropy uses the top-k logprobs of a segment's first ``entropy.window`` tokens; each segment is one
+request with logprobs on every token (:mod:`arpo.rollout.segments`).
 
 Entropy timing. ``branching.timing: code`` takes H_now from the first ``entropy.window`` tokens of the segment that
 ends with the tool call (the released code). ``branching.timing: paper`` appends the result, generates
@@ -235,8 +235,7 @@ class RolloutCall:
             raise ValueError(f"{len(group_ids)} group ids for {len(prompts)} prompts")
         self.m = RolloutMetrics()
         tool_names = [n for n in executor.tool_names if n in TOOL_TAGS]
-        every_token = cfg.return_entropy or cfg.calculate_log_probs  # else logprobs on entropy windows only
-        want_logprobs = cfg.mode == "arpo" or every_token
+        want_logprobs = cfg.mode == "arpo" or cfg.return_entropy or cfg.calculate_log_probs
         params = SamplingParams(
             temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
             repetition_penalty=cfg.sampling.repetition_penalty,
@@ -250,7 +249,7 @@ class RolloutCall:
         self.segments = SegmentRequester(
             engines, tokenizer, params, seed=seed, nonce=uuid.uuid4().hex[:8],  # request ids only
             group_ids=group_ids, window=cfg.entropy.window, max_response_length=cfg.sampling.max_response_length,
-            window_logprobs_only=want_logprobs and not every_token, metrics=self.m)
+            metrics=self.m)
         self.tree = RolloutTree(cfg, tokenizer, prompts, seed, tool_names, call_rate_prior or {}, self.m,
                                 self.segments.cut_at_stop, group_ids)
         #: set once the group's initial entropy is known (``entropy.initial_scope: group``)

@@ -1,16 +1,15 @@
 """How one segment of a branch (the tokens up to its next tool call, EOS or the length limit) is asked of the
-engine, with top-k logprobs exactly where entropy needs them.
+engine: one request per segment, with top-k logprobs on every token when entropy is measured.
 
-Most of what top-k logprobs cost vLLM is detokenising the k candidates of every token; without
-detokenisation they cost about nothing, but the engine then cannot match stop strings. So: when every stop
-string (the tools' close tags) is a single token of the vocabulary, as the ARPO tags are in the tiny model's,
-every request runs without detokenisation and stops on those token ids, with logprobs on every token — one
-request per segment. Otherwise entropy needs logprobs only on a segment's first ``entropy.window`` tokens, so
-a fresh segment is a window request (logprobs, no detokenisation: stop strings are found here) followed at
-once by a continuation without them, unless ``return_entropy`` wants them all; the two come back as one
-output whose ``logprobs`` cover the window only. A stop string the engine could not see (split between two
-requests, or in an undetokenised request) is cut here, where an engine matching strings would have stopped.
+When every stop string (the tools' close tags) is a single token of the vocabulary, as the ARPO tags are in the
+tiny model's, requests run without detokenisation (vLLM's flat logprobs: the k candidates are not decoded) and
+stop on those token ids. Otherwise the engine detokenises to find the stop strings. Asking logprobs only for a
+segment's entropy window (a window request, then a continuation without them) was measured slower on both
+models here: the extra request per segment cost more than the logprobs it saved (README, *Differences*). A
+stop string the engine could not see (in an undetokenised request, or split across two) is cut here, where an
+engine matching strings would have stopped.
 """
+
 
 from __future__ import annotations
 
@@ -57,15 +56,12 @@ class SegmentRequester:
     output depends on the order requests complete in), request ids, and the engine-side counters."""
 
     def __init__(self, engines: Sequence[GenerationEngine], tok: Any, params: SamplingParams, *, seed: int,
-                 nonce: str, group_ids: list[int], window: int, max_response_length: int, window_logprobs_only: bool,
-                 metrics: RolloutMetrics):
+                 nonce: str, group_ids: list[int], window: int, max_response_length: int, metrics: RolloutMetrics):
         #: each group's engine (the same one for every group unless the rollout spreads groups over replicas)
         self.engines, self.tok, self.params, self.seed, self.nonce = list(engines), tok, params, seed, nonce
         self.group_ids = group_ids
         self.window, self.max_response_length = window, max_response_length
         self.want_logprobs = params.logprobs is not None
-        #: branching needs logprobs on each segment's entropy window only
-        self.window_logprobs_only = window_logprobs_only
         self.stop_ids = stop_strings_as_token_ids(tok, params)
         self.m = metrics
 
@@ -73,25 +69,15 @@ class SegmentRequester:
         return cut_at_stop(self.tok, self.params.stop, prev_ids, ids, lps, finish, stop_reason)
 
     async def request(self, b: Branch) -> GenerationOutput:
-        """The next piece of ``b``'s current segment (or its entropy probe)."""
+        """The next piece of ``b``'s current segment (or its entropy probe: the window's tokens only)."""
         room = self.max_response_length - len(b.response_ids)
         probing = b.phase is Phase.PROBE
         if self.stop_ids is not None:
             return await self._undetokenized(b, min(room, self.window) if probing else room,
                                              logprobs=self.want_logprobs)
-        fresh = len(b.response_ids) == b.seg_start
-        split = self.window_logprobs_only and b.phase is Phase.GENERATE and fresh and room > self.window
-        if not (probing or split):
-            return await self._call(b, room, logprobs=fresh or not self.window_logprobs_only)
-        first = await self._undetokenized(b, min(room, self.window), logprobs=True)
-        if not split or first.finish_reason != "length" or len(first.token_ids) < self.window:
-            return first
-        rest = await self._call(b, room - len(first.token_ids), logprobs=False, after=first.token_ids)
-        ids, _, finish, stop_reason = self.cut_at_stop(
-            list(first.token_ids), list(rest.token_ids), [], rest.finish_reason, rest.stop_reason)
-        return GenerationOutput(token_ids=list(first.token_ids) + ids, text="", finish_reason=finish,
-                                stop_reason=stop_reason, logprobs=first.logprobs,
-                                num_cached_tokens=first.num_cached_tokens)
+        if probing:  # a probe may stop inside a tag: undetokenised, then cut here
+            return await self._undetokenized(b, min(room, self.window), logprobs=True)
+        return await self._call(b, room, logprobs=self.want_logprobs)
 
     async def _undetokenized(self, b: Branch, max_tokens: int, logprobs: bool) -> GenerationOutput:
         """At most ``max_tokens`` tokens without detokenisation; the engine stops only on ``stop_ids``, a stop
@@ -102,8 +88,7 @@ class SegmentRequester:
         return dataclasses.replace(out, token_ids=ids, logprobs=lps if out.logprobs is not None else None,
                                    finish_reason=finish, stop_reason=stop_reason, text="")
 
-    async def _call(self, b: Branch, max_tokens: int, logprobs: bool, after: list[int] | None = None,
-                    detokenize: bool = True) -> GenerationOutput:
+    async def _call(self, b: Branch, max_tokens: int, logprobs: bool, detokenize: bool = True) -> GenerationOutput:
         params = self.params.with_(max_tokens=max_tokens, seed=derive_seed(self.seed, self.group_ids[b.group], b.key, b.n_requests),
                                    logprobs=self.params.logprobs if logprobs else None)
         if not detokenize:
@@ -111,7 +96,7 @@ class SegmentRequester:
         request_id = f"arpo-{self.nonce}-g{self.group_ids[b.group]}-t{b.local}-r{b.n_requests}"
         first_of_branch = b.kind == "branch" and b.n_requests == 0
         b.n_requests += 1
-        prompt = b.prompt_ids + b.response_ids + list(after or [])
+        prompt = b.prompt_ids + b.response_ids
         if b.sent_at is None:
             b.sent_at = time.perf_counter()
         with self.m.generate_clock:

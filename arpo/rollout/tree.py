@@ -101,8 +101,8 @@ class RolloutTree:
     # ---- after a request ----------------------------------------------------------------------------
     def absorb(self, b: Branch, out: GenerationOutput) -> tuple[str, Any]:
         """Append a request's tokens to the branch; return (finish reason, stop reason) after our own check
-        for a stop string split across requests. ``logprobs`` may cover only the first tokens (the entropy
-        window); the rest get NaN entropy."""
+        for a stop string split across requests. Without logprobs (plain sampling) or ``return_entropy`` the
+        tokens get NaN entropy."""
         ids = list(out.token_ids)
         lps = list(out.logprobs) if out.logprobs is not None else []
         finish, stop_reason = out.finish_reason, out.stop_reason

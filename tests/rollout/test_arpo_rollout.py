@@ -27,10 +27,12 @@ def test_invariants_over_random_configs(seed):
         tag_ids = {engine.tokenizer.encode(c)[0] for c in CLOSE_TAGS}
         assert all(not q.sampling_params.detokenize and not q.sampling_params.stop
                    and tag_ids & set(q.sampling_params.stop_token_ids) for q in engine.requests)
-    elif gen.config.mode == "arpo" and not gen.config.return_entropy:
-        # entropy needs logprobs on the window only: no request asks for them on more tokens
-        assert all(q.sampling_params.max_tokens <= gen.config.entropy.window
-                   for q in engine.requests if q.sampling_params.logprobs is not None)
+    else:
+        # multi-token tags: the engine matches them as strings, except in probes (the window only, cut here)
+        assert all(q.sampling_params.detokenize or q.sampling_params.max_tokens <= gen.config.entropy.window
+                   for q in engine.requests)
+    if gen.config.mode == "arpo":  # one request per segment, logprobs on all of it
+        assert all(q.sampling_params.logprobs is not None for q in engine.requests)
 
 
 @pytest.mark.parametrize("timing", ["code", "paper"])

@@ -465,13 +465,10 @@ def test_window_logprobs_give_the_entropies_the_decisions_use(reduction, split_t
     batch, _, gen = rollout(cfg, engine=engine, n_prompts=2)
     check_invariants(batch, gen.config, engine.tokenizer, 2)
     with_lp = [(p, o) for p, sp, o in engine.calls if sp.logprobs is not None]
-    without = [(p, o) for p, sp, o in engine.calls if sp.logprobs is None]
-    if split_tags:
-        assert with_lp and without, "segments longer than the window continue without logprobs"
-        assert all(len(o.token_ids) <= k for _, o in with_lp)
-    else:  # tags are single tokens: one undetokenised request per segment, logprobs on every token
-        assert not without and any(len(o.token_ids) > k for _, o in with_lp)
-        assert all(not sp.detokenize for _, sp, _ in engine.calls)
+    # one request per segment, logprobs on every token; single-token tags need no detokenisation
+    assert len(with_lp) == len(engine.calls) and any(len(o.token_ids) > k for _, o in with_lp)
+    assert all(len(o.logprobs) == len(o.token_ids) for _, o in with_lp)
+    assert all(sp.detokenize == split_tags for _, sp, _ in engine.calls)
     # the request that opened a segment carried the logprobs its window entropy came from
     p_len = batch["prompts"].shape[1]
     log_v = math.log(len(engine.tokenizer))
@@ -490,8 +487,9 @@ def test_window_logprobs_give_the_entropies_the_decisions_use(reduction, split_t
     assert checked > 0
 
 
-def test_stop_string_split_between_window_and_continuation():
-    # the window ends inside "</python>": the continuation must be cut right after the tag
+def test_multi_token_tags_make_one_request_per_segment():
+    # the tag "</python>" is several tokens: the engine matches it as a string, so a segment longer than the
+    # entropy window is still one request, which stops right after the tag and carries logprobs throughout
     texts = ["<python>print(1 + 2)</python> then more words", "<answer> \\boxed{3} </answer>"]
     engine = FixedScriptEngine(texts)
     tok = engine.tokenizer
@@ -502,6 +500,8 @@ def test_stop_string_split_between_window_and_continuation():
     r = rows(batch)[0]
     assert [c["tool"] for c in r["calls"]] == ["python"]
     assert tok.decode(r["ids"][: r["calls"][0]["start"]]) == "<python>print(1 + 2)</python>"
-    window_request = engine.requests[0]
-    assert window_request.sampling_params.max_tokens == k and window_request.finish_reason == "length"
-    assert engine.requests[1].sampling_params.logprobs is None
+    assert len(engine.requests) == 2  # the segment before the result, the answer after it
+    first = engine.requests[0]
+    assert first.sampling_params.detokenize and first.sampling_params.logprobs is not None
+    assert first.finish_reason == "stop" and len(first.output_ids) > k
+    assert batch.meta["metrics"]["rollout/tokens/discarded"] == 0
