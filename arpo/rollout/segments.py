@@ -10,7 +10,6 @@ stop string the engine could not see (in an undetokenised request, or split acro
 engine matching strings would have stopped.
 """
 
-
 from __future__ import annotations
 
 import dataclasses
@@ -72,11 +71,9 @@ class SegmentRequester:
         """The next piece of ``b``'s current segment (or its entropy probe: the window's tokens only)."""
         room = self.max_response_length - len(b.response_ids)
         probing = b.phase is Phase.PROBE
-        if self.stop_ids is not None:
+        if probing or self.stop_ids is not None:  # a probe (the window only) may stop inside a tag: cut here
             return await self._undetokenized(b, min(room, self.window) if probing else room,
-                                             logprobs=self.want_logprobs)
-        if probing:  # a probe may stop inside a tag: undetokenised, then cut here
-            return await self._undetokenized(b, min(room, self.window), logprobs=True)
+                                             logprobs=self.want_logprobs or probing)
         return await self._call(b, room, logprobs=self.want_logprobs)
 
     async def _undetokenized(self, b: Branch, max_tokens: int, logprobs: bool) -> GenerationOutput:

@@ -67,6 +67,7 @@ def pack_group(prompt_ids: list[int], responses: list[list[int]], parent: list[i
         raise ValueError("pack_group: the prompt is empty")
     tokens, positions, owner = list(prompt_ids), list(range(p_len)), [-1] * p_len
     paths: list[list[int] | None] = [None] * n
+    own_range, context = [(0, 0)] * n, [[]] * n  # each row's own packed tokens, and what they see before them
 
     def path(r: int, seen: tuple[int, ...] = ()) -> list[int]:
         if paths[r] is not None:
@@ -80,6 +81,7 @@ def pack_group(prompt_ids: list[int], responses: list[list[int]], parent: list[i
                 raise ValueError(f"pack_group: row {r} does not share its first {bp} response tokens with row {p}")
             shared = path(p, seen + (r,))[:bp]
         own = list(range(len(tokens), len(tokens) + len(responses[r]) - len(shared)))
+        own_range[r], context[r] = (len(tokens), len(tokens) + len(own)), list(range(p_len)) + shared
         tokens.extend(responses[r][len(shared):])
         positions.extend(range(p_len + len(shared), p_len + len(responses[r])))
         owner.extend([r] * len(own))
@@ -103,12 +105,8 @@ def pack_group(prompt_ids: list[int], responses: list[list[int]], parent: list[i
     row_index = torch.full((n, max(width, 1)), -1, dtype=torch.long)
     for r in range(n):
         row_index[r, : len(paths[r])] = torch.tensor(paths[r], dtype=torch.long)
-    own = [sum(1 for q in paths[r] if owner[q] == r) for r in range(n)]  # a row's own tokens end its path
-    segments = tree_segments(p_len, [(paths[r][-1] + 1 - own[r], paths[r][-1] + 1) if own[r] else (0, 0)
-                                     for r in range(n)],
-                             [list(range(p_len)) + paths[r][: len(paths[r]) - own[r]] for r in range(n)])
     return PackedGroup(torch.tensor(tokens, dtype=torch.long), torch.tensor(positions, dtype=torch.long), allowed,
-                       pred, row_index, p_len, segments)
+                       pred, row_index, p_len, tree_segments(p_len, own_range, context))
 
 
 def tree_columns(batch: DataBatch) -> dict[str, torch.Tensor]:
