@@ -17,7 +17,10 @@ request of each branch, time in generation vs tools, the engine's idle fraction 
 requests in flight on average while busy; and for each ARPO mode its wall time over plain GRPO's
 (``arpo_over_single_wall``, the goal: at most 1.1), also as ``…_paired_median``: the median over repeats of the
 ratio within one repeat, which a machine whose speed drifts between runs disturbs less, and as ``…_min``: fastest
-run over fastest run, which bursts of other load on a shared machine disturb least.
+run over fastest run, which bursts of other load on a shared machine disturb least. The wall ratio splits into
+``…_work`` (tokens the engine decoded or prefilled past its prefix cache, mode over base, paired median) and,
+for vLLM with its engine core in a process of its own, ``…_engine_cpu_per_work_token`` (the core's CPU seconds
+per such token, mode over base): on a compute-bound engine the wall follows their product.
 
 Modes: ``arpo`` (the default config) and ``single`` (plain GRPO) always run; ``arpo_no_fill_prediction``
 (fills wait for the look-ahead alone: ``speculative_fill_probability: null``); ``arpo_fill_probability``
@@ -86,9 +89,29 @@ def _load(spec: str):
     return getattr(importlib.import_module(module), func)
 
 
+def _engine_processes() -> list:
+    """vLLM's engine-core processes among ours (none for the scripted engine or an in-process core)."""
+    import psutil
+
+    cores = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.name().startswith("VLLM::EngineCore"):
+                cores.append(p)
+        except psutil.NoSuchProcess:  # a tool's subprocess that just ended
+            pass
+    return cores
+
+
+def _cpu_s(processes: list) -> float:
+    return sum(p.cpu_times().user + p.cpu_times().system for p in processes)
+
+
 async def _run_once(engine, tokenizer, tools, prompts, cfg: ARPORolloutConfig, seed: int,
                     rate_priors: dict[str, dict[int, float]] | None = None, mode: str = "") -> dict[str, float]:
     await engine.reset_prefix_cache()
+    cores = _engine_processes()
+    cpu_before = _cpu_s(cores)
     gen = ARPORollout(engine, tokenizer, cfg, tools=tools)
     # a trainer keeps one generator across steps, so fill prediction starts from the last call's tool-call rates
     if rate_priors is not None:
@@ -99,7 +122,15 @@ async def _run_once(engine, tokenizer, tools, prompts, cfg: ARPORolloutConfig, s
         gen.close()
     if rate_priors is not None:
         rate_priors[mode] = gen.call_rate_prior
-    return batch.meta["metrics"]
+    metrics = dict(batch.meta["metrics"])
+    if cores:
+        metrics["engine_cpu_s"] = _cpu_s(cores) - cpu_before
+    return metrics
+
+
+def _work(metrics: dict[str, float]) -> float:
+    """Tokens the engine computed: decoded, and prefilled past its prefix cache (0 where it reports no cache)."""
+    return metrics["rollout/tokens/generated"] + metrics.get("rollout/tokens/prefilled", 0.0)
 
 
 def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
@@ -118,6 +149,12 @@ def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
     optional = {"rollout/tokens/monitor", "rollout/aepo/initial_rollouts_mean"}  # AEPO's pre-monitoring only
     out.update({k.split("/", 1)[1]: pick.get(k) for k in keys if k in pick or k not in optional})
     out["tokens_per_s"] = pick["rollout/tokens/generated"] / pick["timing_s/rollout_total"]
+    # the engine's work: tokens it decoded or prefilled (past its prefix cache), and its CPU milliseconds per such token
+    work = [_work(m) for m in runs]
+    out["work_tokens_median"] = statistics.median(work)
+    if all("engine_cpu_s" in m for m in runs):
+        out["engine_cpu_ms_per_work_token"] = statistics.median(
+            1000 * m["engine_cpu_s"] / w for m, w in zip(runs, work))
     return out
 
 
@@ -211,6 +248,12 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         result[f"{mode}_over_{base}_wall_paired_median"] = statistics.median(paired)
         # best run over best run: what each mode costs when nothing else on the machine got in its way
         result[f"{mode}_over_{base}_wall_min"] = result[mode]["wall_s_min"] / result[base]["wall_s_min"]
+        # the wall ratio is (work ratio) x (cost per unit of work ratio): which of the two an excess comes from
+        result[f"{mode}_over_{base}_work"] = statistics.median(
+            _work(a) / _work(b) for a, b in zip(runs[mode], runs[base]))
+        if "engine_cpu_ms_per_work_token" in result[mode] and "engine_cpu_ms_per_work_token" in result[base]:
+            result[f"{mode}_over_{base}_engine_cpu_per_work_token"] = (
+                result[mode]["engine_cpu_ms_per_work_token"] / result[base]["engine_cpu_ms_per_work_token"])
     return result
 
 

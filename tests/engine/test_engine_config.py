@@ -119,17 +119,21 @@ def test_state_dicts_transported_arrays_and_directories_are_all_engine_weights(t
         assert all(torch.equal(got[k].to(v.dtype), v) for k, v in state.items())
 
 
-def test_eager_logprob_rank_replaces_the_compiled_helper_with_the_same_function():
+def test_eager_logprob_rank_replaces_the_compiled_helper_with_an_equal_count():
     pytest.importorskip("vllm")
     import vllm.v1.sample.sampler as sampler
 
-    from arpo.engine.vllm_cpu_patches import use_eager_logprob_rank
+    from arpo.engine.vllm_cpu_patches import count_at_least, use_eager_logprob_rank
 
     compiled = sampler.batched_count_greater_than
     assert use_eager_logprob_rank()
-    eager = sampler.batched_count_greater_than
-    assert not hasattr(eager, "_torchdynamo_orig_callable")
-    logprobs = torch.log_softmax(torch.randn(5, 50), dim=-1)
-    sampled = logprobs.gather(-1, torch.randint(0, 50, (5, 1)))
-    assert torch.equal(eager(logprobs, sampled), (logprobs >= sampled).sum(-1))
-    assert compiled is eager or getattr(compiled, "_torchdynamo_orig_callable", None) is eager
+    assert sampler.batched_count_greater_than is count_at_least
+    original = getattr(compiled, "_torchdynamo_orig_callable", compiled)
+    # row counts around the chunk size, ties included (the sampled token's own logprob counts itself)
+    for rows in (1, 31, 32, 33, 100):
+        logprobs = torch.log_softmax(torch.randn(rows, 500), dim=-1).round(decimals=1)
+        sampled = logprobs.gather(-1, torch.randint(0, 500, (rows, 1)))
+        got = count_at_least(logprobs, sampled)
+        assert got.dtype == torch.int64 and got.shape == (rows,)
+        assert torch.equal(got, original(logprobs, sampled))
+        assert torch.equal(got, (logprobs >= sampled).sum(-1))

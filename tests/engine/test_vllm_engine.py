@@ -64,6 +64,26 @@ def test_stop_tags_kept_in_text_with_reasons(run, engine, taught_model_dir, prom
     assert all(tok in step for tok, step in zip(out.token_ids, out.logprobs))
 
 
+def test_logprob_candidates_are_not_decoded_to_text(run, engine, taught_model_dir, monkeypatch):
+    """The client decodes the generated text (stop strings work) but not each token's top-k candidates."""
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    decoders = []
+    update = LogprobsProcessor._update_sample_logprobs
+
+    def recording(self, logprobs_lists):
+        decoders.append(self.tokenizer)
+        return update(self, logprobs_lists)
+
+    monkeypatch.setattr(LogprobsProcessor, "_update_sample_logprobs", recording)
+    prompt = next(iter(LESSONS))
+    out = run(engine.generate(encode(taught_model_dir, prompt),
+                              SamplingParams(temperature=0, max_tokens=40, stop=STOPS, logprobs=3), "ids-only"))
+    assert out.text == LESSONS[prompt] and out.finish_reason == "stop"
+    assert decoders and all(d is None for d in decoders)
+    assert all(len(step) >= 3 and tok in step for tok, step in zip(out.token_ids, out.logprobs))
+
+
 def test_eos_and_length_match_hf(run, engine, taught_model_dir):
     hf = HFEngine({"model_path": taught_model_dir, "name": "hf", "dtype": REFERENCE_DTYPE})
     ids = encode(taught_model_dir, next(iter(LESSONS)))

@@ -28,9 +28,12 @@ def test_bench_prints_every_mode_and_ratio():
         assert m["tokens/generated"] > 0 and m["requests"] > 0 and m["tokens_per_s"] > 0
         assert 0 <= m["engine_idle_fraction"] < 1 and m["requests_in_flight_mean"] >= 1
         assert 0 <= m["last_start_frac"] <= 1 and 0 <= m["tail_after_half_done_frac"] <= 1
+        # the engine's work: decoded plus prefilled tokens (the scripted engine has a prefix cache, no engine core)
+        assert m["work_tokens_median"] > m["tokens/generated"] * 0.5 and "engine_cpu_ms_per_work_token" not in m
     assert result["single"]["branches"] == 0
     assert result["single"]["tool_calls/total"] > 0 and result["single"]["rollout_tools"] >= 0.005
     assert result["arpo_no_fill_prediction"]["fill_predicted"] == 0
     for mode in ("arpo", "arpo_fill_duplicate", "arpo_speculative_fill", "arpo_no_fill_prediction"):
         assert result[f"{mode}_over_single_wall_min"] == result[mode]["wall_s_min"] / result["single"]["wall_s_min"]
         assert result[f"{mode}_over_single_wall_paired_median"] > 0
+        assert result[f"{mode}_over_single_work"] > 0
