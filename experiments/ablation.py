@@ -78,6 +78,7 @@ from arpo.pipeline import Preset, overrides_for_stage, stage_paths
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script: its sibling module below
+from experiments import git_sha  # noqa: E402
 from experiments.ablation_results import collect, import_runs  # noqa: E402
 
 logger = logging.getLogger("arpo.ablation")
@@ -247,16 +248,6 @@ def dump_rollouts(runs: list[Run], out: Path, data_dir: Path, prompts: int, extr
     os.unlink(f.name)
     if rc != 0:
         logger.error("rollout dump failed (exit %d), see %s; the results go without entropy figures", rc, log)
-
-
-def git_sha() -> str:
-    """HEAD, with ``-dirty`` when tracked files differ from it (untracked results do not count)."""
-    def git(*args: str) -> str:
-        r = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
-        return r.stdout.strip() if r.returncode == 0 else ""
-
-    sha = git("rev-parse", "HEAD") or "unknown"
-    return sha + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -53,6 +53,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from arpo.testing.scripted_engine import ScriptedEngine, ScriptPolicy  # noqa: E402
+from experiments import git_sha  # noqa: E402
 from arpo.rollout.arpo_rollout import ARPORollout, ARPORolloutConfig  # noqa: E402
 from tools.base import BaseTool  # noqa: E402
 
@@ -228,7 +229,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"--n/--initial/--modes: {err}") from None
     result: dict[str, Any] = {"engine": engine_name, "prompts": args.prompts, "budget_m": args.n,
                               "initial_rollouts": args.initial, "timing": args.timing,
-                              "python": platform.python_version()}
+                              "python": platform.python_version(), "git": git_sha()}
     # one untimed run first: the engine's first requests pay for allocations no later run pays for
     await _run_once(engine, tokenizer, tools, prompts, cfgs["arpo"], args.seed + 1000)
     # modes interleaved within each repeat, so drifts of the machine's speed hit every mode alike
