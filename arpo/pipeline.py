@@ -177,6 +177,19 @@ def build_base_and_sft(root: str | Path, force: bool = False, overrides: list[st
     return Pipeline(root, preset, overrides, force).build_base_and_sft()
 
 
+#: sft_summary.json keys the pipeline's summary repeats (the per-step losses stay in the SFT folder)
+SFT_SUMMARY_KEYS = ("steps", "planned_steps", "final_loss", "compute_dtype", "stopped_early", "stop_reason", "seconds")
+
+
+def read_sft_summary(sft_model: Path) -> dict:
+    """The SFT stage's own summary (``sft_summary.json`` next to its checkpoint), trimmed; {} when absent."""
+    path = Path(sft_model) / "sft_summary.json"
+    if not path.is_file():
+        return {}
+    full = json.loads(path.read_text())
+    return {k: full[k] for k in SFT_SUMMARY_KEYS if k in full}
+
+
 def final_summary(summary: dict, root: Path) -> str:
     """The lines closing a pipeline run: where things are, what each stage took, validation before/after."""
     t = summary["stage_timings_s"]
@@ -187,6 +200,10 @@ def final_summary(summary: dict, root: Path) -> str:
         lines.append(f"  RL model  {summary['hf_model']}")
     if summary.get("plots"):
         lines.append(f"  plots     {summary['plots']}")
+    sft = summary.get("sft") or {}
+    if sft.get("stopped_early"):
+        lines.append(f"  WARNING   SFT stopped by its time limit ({sft.get('stop_reason')}): the SFT model, and "
+                     f"every result after it, depend on this machine's speed")
     return "\n".join(lines)
 
 
@@ -220,8 +237,9 @@ def main() -> None:
         "stages": " -> ".join(STAGES[:-1] if args.skip_rl else STAGES),
         "logs": f"{root / 'logs'} (engine and worker output too, unless --show-engine-logs)"},
         {"overrides (the preset's, then the command line's)": pipeline.overrides}))
-    pipeline.build_base_and_sft()
-    summary: dict = {"preset": preset.name, "base_model": preset.base_model, "overrides": pipeline.overrides}
+    paths = pipeline.build_base_and_sft()
+    summary: dict = {"preset": preset.name, "base_model": preset.base_model, "overrides": pipeline.overrides,
+                     "sft": read_sft_summary(paths["sft_model"])}
     if not args.skip_rl:
         from arpo.ray_utils import stop_ray
 

@@ -288,11 +288,14 @@ def shared_prompt_prefix(examples: Sequence[tuple[list[int], list[int]]]) -> int
 
 
 def train_sft(model, examples: list | DemonstrationStream, *, epochs: int, batch_size: int, lr: float,
-              warmup_ratio: float, weight_decay: float, grad_clip: float, seed: int, max_minutes: float, pad_id: int,
-              max_steps: int = 0, share_prompt_prefix: bool = True, num_examples: int | None = None,
-              dtype: str = "float32") -> dict[str, Any]:
-    """Full fine-tune with AdamW + warm-up/cosine schedule over ``min(epochs, max_steps)``; a safety stop at
-    ``max_minutes``. Returns summary stats.
+              warmup_ratio: float, weight_decay: float, grad_clip: float, seed: int, pad_id: int,
+              max_minutes: float | None = None, max_steps: int = 0, share_prompt_prefix: bool = True,
+              num_examples: int | None = None, dtype: str = "float32") -> dict[str, Any]:
+    """Full fine-tune with AdamW + warm-up/cosine schedule over ``min(epochs, max_steps)``. Returns summary stats,
+    the loss of every step included.
+
+    ``max_minutes``: an opt-in wall-clock stop (None: off). It makes the result depend on the machine's speed, so
+    when it triggers the summary says so (``stopped_early``, ``stop_reason``) and the caller reports it.
 
     ``examples``: a list, or a :class:`DemonstrationStream` whose first epoch trains on the demonstrations as they
     arrive (``num_examples``, the rows it will yield at most, plans the schedule); later epochs shuffle them all.
@@ -349,10 +352,10 @@ def train_sft(model, examples: list | DemonstrationStream, *, epochs: int, batch
                             sched.get_last_lr()[0], (time.time() - start) / step)
             if step >= total:
                 break
-            if (time.time() - start) / 60 > max_minutes:
+            if max_minutes is not None and (time.time() - start) / 60 > max_minutes:
                 stopped_early = True
-                logger.warning("sft stopped at its time limit (sft.max_minutes=%s) after %d/%d steps",
-                               max_minutes, step, total)
+                logger.warning("sft stopped at its time limit (sft.max_minutes=%s) after %d/%d steps; the model "
+                               "depends on this machine's speed", max_minutes, step, total)
                 break
         if hasattr(batches, "close"):
             batches.close()  # a stream left early stops its tool calls
@@ -366,8 +369,11 @@ def train_sft(model, examples: list | DemonstrationStream, *, epochs: int, batch
     return {"steps": step, "planned_steps": total, "epochs": round(step / max(1, steps_per_epoch), 2),
             "final_loss": float(np.mean(losses[-20:])) if losses else float("nan"),
             "seconds": time.time() - start, "stopped_early": stopped_early,
+            "stop_reason": (f"sft.max_minutes={max_minutes:g} (wall clock) after {step} of {total} steps"
+                            if stopped_early else None),
             "mean_shared_prefix": float(np.mean(prefixes)) if prefixes else 0.0,
-            "compute_dtype": str(compute.compute_dtype).removeprefix("torch.")}
+            "compute_dtype": str(compute.compute_dtype).removeprefix("torch."),
+            "losses": [round(x, 6) for x in losses]}
 
 
 def run_sft(cfg) -> Path:
@@ -381,6 +387,8 @@ def run_sft(cfg) -> Path:
     s = cfg.sft
     if s.dtype not in ("float32", "bfloat16", "fast"):
         raise ConfigError(f"sft.dtype={s.dtype!r} is not valid; choose float32, bfloat16 or fast")
+    if s.max_minutes is not None and not (isinstance(s.max_minutes, (int, float)) and s.max_minutes > 0):
+        raise ConfigError(f"sft.max_minutes={s.max_minutes!r} is not valid; use null (no time limit) or minutes > 0")
     seed_everything(s.seed)
     model_path = require_path(cfg.actor_rollout_ref.model.path, "actor_rollout_ref.model.path",
                               "build the tiny model with `python -m arpo.models.tiny` or point it at an HF checkpoint",
@@ -418,7 +426,7 @@ def run_sft(cfg) -> Path:
     tokenizer.save_pretrained(str(out))
     (out / "sft_summary.json").write_text(json.dumps({**summary, "demos": stream.modes,
                                                              "demo_seconds": stream.seconds}, indent=2))
-    logger.info("sft done: %s -> %s", summary, out)
+    logger.info("sft done: %s -> %s", {k: v for k, v in summary.items() if k != "losses"}, out)
     return out
 
 

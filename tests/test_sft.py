@@ -2,6 +2,7 @@
 
 import json
 import random
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -248,3 +249,31 @@ def test_bfloat16_sft_keeps_fp32_weights_and_follows_the_fp32_run():
     assert all(p.dtype == torch.float32 for p in bf16_model.parameters())  # master weights stay fp32
     assert bf16["final_loss"] < 1.0  # it learned the sequences (log 64 = 4.2 at the start)
     assert abs(bf16["final_loss"] - fp32["final_loss"]) < 0.25
+
+
+def test_time_limit_is_off_by_default_and_reported_when_it_stops_the_run():
+    from omegaconf import OmegaConf
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from arpo.config import config_dir
+    from arpo.pipeline import final_summary
+    from arpo.sft import train_sft
+
+    assert OmegaConf.load(config_dir() / "sft.yaml").sft.max_minutes is None
+    examples = [([1, 2, 3] + [10 + (i + j) % 20 for j in range(6)], [0, 0, 0] + [1] * 6) for i in range(16)]
+
+    def run(**limit):
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+        return train_sft(model, examples, epochs=2, batch_size=4, lr=1e-3, warmup_ratio=0.1, weight_decay=0.0,
+                         grad_clip=1.0, seed=0, pad_id=0, **limit)
+
+    full = run()
+    assert full["steps"] == full["planned_steps"] == 8 and not full["stopped_early"] and full["stop_reason"] is None
+    assert len(full["losses"]) == 8
+    cut = run(max_minutes=1e-9)  # over the limit after the first step
+    assert cut["steps"] == 1 and cut["stopped_early"]
+    assert cut["stop_reason"] == "sft.max_minutes=1e-09 (wall clock) after 1 of 8 steps"
+    closing = final_summary({"stage_timings_s": {}, "wall_s": 1.0, "sft": cut}, Path("out"))
+    assert "SFT stopped by its time limit (sft.max_minutes=1e-09" in closing
+    assert "time limit" not in final_summary({"stage_timings_s": {}, "wall_s": 1.0, "sft": full}, Path("out"))
