@@ -107,9 +107,15 @@ def worker_groups(cfg: DictConfig) -> list[str]:
 
 
 def ray_cpus_needed(cfg: DictConfig) -> float:
+    from arpo.engine.config import default_device
+    from arpo.placement import planned_num_replicas
+
     groups = len(worker_groups(cfg))
     ranks = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    return groups * ranks * float(cfg.trainer.cpus_per_worker) + cfg.actor_rollout_ref.rollout.num_replicas
+    # before Ray starts (num_replicas still null), a private cluster's GPUs are ray_init.num_gpus or the local ones
+    gpus = cfg.trainer.device != "cpu" and bool(cfg.ray_init.num_gpus if cfg.ray_init.num_gpus is not None
+                                                else default_device() == "cuda")
+    return groups * ranks * float(cfg.trainer.cpus_per_worker) + planned_num_replicas(cfg, gpus)
 
 
 def require_cpus(cfg: DictConfig, have: float, where: str, fix: str) -> None:
@@ -142,6 +148,7 @@ def build_trainer(cfg: DictConfig):
 
     from arpo.data.rl_dataset import create_rl_dataloaders
     from arpo.engine.factory import create_engines
+    from arpo.placement import resolve_rollout_auto
     from arpo.ray_utils import init_ray
     from arpo.tracking import Tracking
     from arpo.trainer.ray_trainer import RayARPOTrainer, TrainerCheckpointer
@@ -154,6 +161,7 @@ def build_trainer(cfg: DictConfig):
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     train_loader, val_loader = create_rl_dataloaders(cfg, tokenizer)
     init_ray(cfg)
+    resolve_rollout_auto(cfg, uses_gpu_placement(cfg))  # num_replicas, free_cache_engine: null -> by placement
     check_cluster_fits(cfg)
     tools = load_tools(cfg.tools)
     engines, groups = _start_engine_and_workers(cfg, create_engines, RayWorkerGroup)
@@ -300,9 +308,21 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     plots = write_plots(out, cfg.trainer.rollout_data_dir)
     summary = {"final_validation": final_val, "validation_gain": gain, "hf_model": str(export_dir), "plots": plots,
                "checkpoints": str(cfg.trainer.default_local_dir),
-               "metrics": str(trainer.tracker.jsonl_path), "log": str(out / "logs" / "arpo.log")}
+               "metrics": str(trainer.tracker.jsonl_path), "log": str(out / "logs" / "arpo.log"),
+               "machine": run_machine(cfg, trainer.actor_wg.init_info[0])}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def run_machine(cfg: DictConfig, rank_info: dict) -> dict[str, Any]:
+    """:func:`arpo.machine.machine_info` with the trainer's resolved dtype and a training rank's thread count."""
+    from arpo.machine import machine_info
+    from arpo.trainer.device import device_settings_from_config
+
+    info = machine_info()
+    info["dtypes"] = {"trainer": str(device_settings_from_config(cfg).compute_dtype).removeprefix("torch.")}
+    info["trainer_rank_threads"] = rank_info.get("torch_threads")
+    return info
 
 
 def write_plots(run_dir: Path, rollout_dir: str | None) -> str | None:

@@ -29,6 +29,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from arpo.config import ConfigError, config_dir, load_config
+from arpo.machine import describe_machine
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +191,19 @@ def read_sft_summary(sft_model: Path) -> dict:
     return {k: full[k] for k in SFT_SUMMARY_KEYS if k in full}
 
 
+def pipeline_machine(summary: dict) -> dict:
+    """Where the run ran (:func:`arpo.machine.machine_info`; the RL stage's own record when it ran), with the
+    dtype each training stage resolved to."""
+    from arpo.machine import machine_info
+
+    info = dict(summary.get("machine") or machine_info())
+    dtypes = dict(info.get("dtypes") or {})
+    if summary.get("sft", {}).get("compute_dtype"):
+        dtypes = {"sft": summary["sft"]["compute_dtype"], **dtypes}
+    info["dtypes"] = dtypes
+    return info
+
+
 def final_summary(summary: dict, root: Path) -> str:
     """The lines closing a pipeline run: where things are, what each stage took, validation before/after."""
     t = summary["stage_timings_s"]
@@ -200,6 +214,8 @@ def final_summary(summary: dict, root: Path) -> str:
         lines.append(f"  RL model  {summary['hf_model']}")
     if summary.get("plots"):
         lines.append(f"  plots     {summary['plots']}")
+    if summary.get("machine"):
+        lines.append(f"  machine   {describe_machine(summary['machine'])}")
     sft = summary.get("sft") or {}
     if sft.get("stopped_early"):
         lines.append(f"  WARNING   SFT stopped by its time limit ({sft.get('stop_reason')}): the SFT model, and "
@@ -246,6 +262,7 @@ def main() -> None:
         rl = pipeline.run_rl()
         stop_ray()
         summary.update(rl)
+    summary["machine"] = pipeline_machine(summary)
     summary["stage_timings_s"] = pipeline.timings
     summary["wall_s"] = round(time.time() - start, 1)
     (root / "summary.json").write_text(json.dumps(summary, indent=2))

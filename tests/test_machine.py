@@ -1,0 +1,54 @@
+"""Where a run ran: the machine record every summary carries (arpo/machine.py)."""
+
+import json
+
+import torch
+
+from arpo.machine import describe_machine, machine_info
+from arpo.pipeline import final_summary, pipeline_machine
+
+AMX_CPU = """processor\t: 0
+model name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz
+flags\t\t: fpu sse4_2 avx avx2 fma avx512f avx512_bf16 amx_bf16 amx_tile
+processor\t: 1
+model name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz
+flags\t\t: fpu sse4_2 avx avx2 fma avx512f avx512_bf16 amx_bf16 amx_tile
+"""
+AVX2_CPU = "model name\t: AMD EPYC 7B12\nflags\t\t: fpu sse4_2 avx avx2 fma\n"
+
+
+def test_machine_record_names_the_cpu_its_kernel_isa_and_the_overrides_in_force():
+    env = {"ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "2", "HOME": "/root"}
+    info = machine_info(AMX_CPU, env)
+    assert info["cpu_model"] == "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz"
+    assert info["cpu_isa"] == ["amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2", "fma"]
+    assert info["env"] == {"ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "2"}  # only kernel/thread settings
+    assert info["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert info["torch_threads"] == torch.get_num_threads() and info["torch"] == torch.__version__
+    assert len(info["git_sha"].removesuffix("-dirty")) == 40
+    json.dumps(info)  # goes into summary.json as is
+
+    plain = machine_info(AVX2_CPU, {})
+    assert plain["cpu_isa"] == ["avx2", "fma"] and plain["env"] == {}
+
+
+def test_pipeline_closing_lines_say_where_it_ran_in_one_line():
+    rl = {"machine": {**machine_info(AVX2_CPU, {"ATEN_CPU_CAPABILITY": "default"}), "dtypes": {"trainer": "float32"},
+                      "trainer_rank_threads": 1}}
+    machine = pipeline_machine({**rl, "sft": {"compute_dtype": "float32"}})
+    assert machine["dtypes"] == {"sft": "float32", "trainer": "float32"}
+    line = describe_machine(machine)
+    assert line.startswith("AMD EPYC 7B12, ") and "ISA avx2 fma (torch " in line
+    assert "sft float32, trainer float32" in line and "(1 a trainer rank)" in line
+    assert "ATEN_CPU_CAPABILITY=default" in line and machine["git_sha"][:12] in line
+    closing = final_summary({"stage_timings_s": {"sft_s": 3.0}, "wall_s": 5.0, "machine": machine}, root=".")
+    assert [ln for ln in closing.splitlines() if ln.strip().startswith("machine")] == [f"  machine   {line}"]
+
+
+def test_rl_summary_records_the_trainers_resolved_dtype_and_rank_threads():
+    from arpo.config import load_config
+    from arpo.main_arpo import run_machine
+
+    info = run_machine(load_config("arpo_trainer", ["actor_rollout_ref.model.dtype=float32"]), {"torch_threads": 1})
+    assert info["dtypes"] == {"trainer": "float32"} and info["trainer_rank_threads"] == 1
+    assert info["cpu_model"] == machine_info()["cpu_model"]
