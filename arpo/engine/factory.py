@@ -25,8 +25,12 @@ def create_engines(cfg: Any, ray_actor: bool | None = None, replicas: int | None
                    placement: Any = None) -> list[GenerationEngine]:
     """:func:`create_engine` for ``replicas`` (default ``actor_rollout_ref.rollout.num_replicas``) replicas,
     started at once, each in its own Ray actor when there are several (in its bundle of ``placement``, an
-    :class:`arpo.placement.GpuPlacement`, on GPUs; an engine in this process uses the GPU outside Ray's count)."""
+    :class:`arpo.placement.GpuPlacement`, on GPUs; an engine in this process uses the GPU outside Ray's count).
+    ``num_replicas: null`` (auto) is the placement's number on GPUs, else 1 (:func:`arpo.placement.auto_num_replicas`;
+    a training run resolves it once at start-up, :func:`arpo.placement.resolve_rollout_auto`)."""
     config = cfg if isinstance(cfg, EngineConfig) else EngineConfig.from_cfg(cfg)
+    if replicas is None and config.num_replicas is None:
+        replicas = placement.plan.replicas if placement is not None else 1
     if replicas is not None:
         config = dataclasses.replace(config, num_replicas=replicas)
     config.validate()

