@@ -111,3 +111,52 @@ def test_placement_groups_on_logical_gpus():
                               "actor_rollout_ref.rollout.num_replicas")
     assert out["not_placed"].startswith("the Ray cluster could not place the run's 2 GPUs (1 node(s) x 2 training "
                                         "GPUs) within 2 s (free GPUs per node too few, or taken by other jobs)")
+
+
+def _trainer_cfg(*overrides: str):
+    from arpo.config import load_config
+
+    return load_config("arpo_trainer", ["actor_rollout_ref.model.path=unused", *overrides])
+
+
+@pytest.mark.parametrize("overrides, gpus, replicas, sleeps", [
+    (["trainer.n_gpus_per_node=8"], True, 8, True),  # colocated on 8 GPUs: every GPU generates, and sleeps
+    (["trainer.nnodes=2", "trainer.n_gpus_per_node=4"], True, 8, True),
+    (["trainer.n_gpus_per_node=4", "actor_rollout_ref.hybrid_engine=false",
+      "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], True, 1, False),  # split: extra GPUs, 1 unless set
+    (["trainer.n_gpus_per_node=8"], False, 1, False),  # no GPUs: one engine on the cores, no sleep mode
+    (["trainer.n_gpus_per_node=8", "actor_rollout_ref.rollout.num_replicas=3",
+      "actor_rollout_ref.rollout.free_cache_engine=false"], True, 3, False),  # set values stay
+])
+def test_auto_replicas_and_sleep_are_resolved_once_by_placement(overrides, gpus, replicas, sleeps, caplog):
+    from arpo.placement import resolve_rollout_auto
+
+    cfg = _trainer_cfg(*overrides)
+    assert cfg.actor_rollout_ref.rollout.num_replicas is None or "num_replicas=3" in " ".join(overrides)
+    with caplog.at_level("INFO", logger="arpo.placement"):
+        assert resolve_rollout_auto(cfg, gpus) == {"num_replicas": replicas, "free_cache_engine": sleeps}
+    r = cfg.actor_rollout_ref.rollout
+    assert (r.num_replicas, r.free_cache_engine) == (replicas, sleeps)  # every later reader sees the numbers
+    if "num_replicas=3" not in " ".join(overrides):
+        assert f"num_replicas: null (auto) -> {replicas}" in caplog.text
+    if gpus:
+        p = PlacementPlan.from_config(cfg, ["actor"])
+        assert p.replicas == replicas
+        assert sum(b["CPU"] for n in range(p.nnodes) for b in p.training_bundles(n)) == \
+            p.world_size + replicas * p.hybrid  # a colocated replica's CPU in each training GPU's bundle
+
+
+def test_unresolved_auto_replicas_follow_the_placement():
+    from arpo.placement import planned_num_replicas
+
+    cfg = _trainer_cfg("trainer.n_gpus_per_node=4")
+    assert PlacementPlan.from_config(cfg, ["actor"]).replicas == 4
+    assert planned_num_replicas(cfg, gpus=False) == 1
+    cfg.actor_rollout_ref.rollout.ray_actor = False  # an engine in the caller's process is one engine
+    assert planned_num_replicas(cfg, gpus=True) == 1
+
+
+def test_hybrid_tensor_parallel_is_still_refused_with_auto_replicas():
+    cfg = _trainer_cfg("trainer.n_gpus_per_node=8", "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=2 cannot be placed"):
+        PlacementPlan.from_config(cfg, ["actor"])

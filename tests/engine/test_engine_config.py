@@ -52,12 +52,16 @@ def test_missing_model_path_and_unknown_keys(tmp_path):
 def test_vllm_env_precedence(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    # Model Runner V2 stays off until the reload -> preempting reset -> resume path is verified under it
     assert configure_vllm_env() == {"VLLM_CPU_KVCACHE_SPACE": str(DEFAULT_CPU_KVCACHE_SPACE_GB),
-                                    "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+                                    "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "0"}
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "5")  # a user's export beats the default
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     assert configure_vllm_env()["VLLM_CPU_KVCACHE_SPACE"] == "5"
     assert configure_vllm_env(cpu_kvcache_space_gb=3, v1_multiprocessing=True) == \
-        {"VLLM_CPU_KVCACHE_SPACE": "3", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # config beats the env
+        {"VLLM_CPU_KVCACHE_SPACE": "3", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+         "VLLM_USE_V2_MODEL_RUNNER": "1"}  # config beats the env
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3"
 
 
