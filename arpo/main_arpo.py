@@ -92,6 +92,9 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"actor_rollout_ref.rollout.arpo.sampling.max_response_length="
                           f"{arpo_cfg.sampling.max_response_length} exceeds "
                           f"data.max_response_length={cfg.data.max_response_length}")
+    from arpo.plan import check_config as check_memory_plan
+
+    check_memory_plan(cfg)  # last: the memory plan reads a config every other rule has passed (arpo/plan/)
 
 
 def needs_reference(cfg: DictConfig) -> bool:
