@@ -47,7 +47,8 @@ by another checkout or machine; each keeps its own git SHA and overrides in ``ab
 ``--smoke`` (CI): 2 steps, the first seed only, 8 validation prompts, 1 FSDP rank, 4 rollout-dump prompts.
 Time on a 2-core CPU: a smoke run ~50 s (~37 s of it start-up), a smoke suite of 3 variants ~4 min (the rollout
 dumps ~1 min of it); a default run (6 steps, 32 validation prompts) ~1.5 min, so a suite of 3 variants x 3 seeds
-~15 min. With ``--preset smollm2`` (SmolLM2-135M, 8 steps, 256 validation questions) a run takes ~24 min, a
+~15 min. With ``--preset smollm2`` (SmolLM2-135M, 8 steps, 200 validation questions
+(``synthetic.sizes.val`` in ``configs/pipeline/smollm2.yaml``; the committed SmolLM2 results used 256)) a run takes ~24 min, a
 suite of 3 variants x 3 seeds ~3.5 h: run it over several sittings.
 """
 

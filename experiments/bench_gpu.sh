@@ -6,7 +6,7 @@
 #   experiments/bench_gpu.sh CONFIG_DIR OUT_DIR     # CONFIG_DIR: a checkpoint's config.json and tokenizer files
 #   DEVICE=cpu SMOKE=1 experiments/bench_gpu.sh CONFIG_DIR OUT_DIR   # the same calls on tiny shapes, CPU
 #
-# Shapes: 32 rows (4 prompts x M=8), prompts of 120-150 tokens, responses of 300-500 (issue 18's ARPO step), and
+# Shapes: 32 rows (4 prompts x M=8), prompts of 120-150 tokens, responses of 300-500 (the SmolLM2 preset's ARPO step), and
 # the recorded SmolLM2 ARPO trees (experiments/results/smollm2_advantage/rollouts) packed and unpacked.
 set -uo pipefail
 cfg=$1 out=$2

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The released ARPO 7B reasoning settings (docs: ../shared/docs/arpo_reference.md) on one 8-GPU node.
+# The released ARPO 7B reasoning settings (from the ARPO paper / official code, github.com/dongguanting/ARPO) on one 8-GPU node.
 # Needs the GPU install (ARPO_REQUIREMENTS=requirements-gpu.txt make install), a Qwen2.5-7B cold-start SFT
 # checkpoint at $MODEL, and the ARPO release data at $ARPO_SHARED_DATA. Search replays ARPO's recorded cache
 # (tools=arpo_cache); switch to tools=default with a web backend for live search.

@@ -1,4 +1,4 @@
-"""A prompt group's trajectory tree as one sequence: every shared token once (issue 24, shared-prefix training).
+"""A prompt group's trajectory tree as one sequence: every shared token once (shared-prefix training).
 
 In an ARPO group of M trajectories the prompt is shared by all M, and a branch shares its parent's first
 ``branch_pos`` response tokens. Unpacked, the actor's forward computes those tokens M times. Packed, the

@@ -1,4 +1,4 @@
-"""Sandbox hardening (issue 21): whole-call memory, tmpfs inodes, syscall filter, nested namespaces,
+"""Sandbox hardening: whole-call memory, tmpfs inodes, syscall filter, nested namespaces,
 mountinfo, and setup failures reported out of band. Real sandboxed subprocesses, run per backend.
 """
 

@@ -1,4 +1,4 @@
-"""Tree packing (issue 24): one forward over a group's packed tree gives every row's response log-probs, and the
+"""Tree packing: one forward over a group's packed tree gives every row's response log-probs, and the
 gradients of the soft and hard PPO losses, of the unpacked forward (Qwen2 and Llama, random trees)."""
 
 from __future__ import annotations
