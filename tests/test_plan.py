@@ -1,0 +1,178 @@
+"""The memory planner (arpo/plan/) on Qwen2.5-7B's real shapes, built on the meta device: no weights are loaded."""
+
+from __future__ import annotations
+
+import math
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+from arpo.config import REPO_ROOT, ConfigError, load_config
+from arpo.plan import build_plan, check_config, model_shapes, step_seconds
+from arpo.plan.memory import GIB, layer_activation_bytes, micro_tokens, training_activation_bytes
+from arpo.plan.settings import PlanSettings
+
+QWEN7B = Path(__file__).parent / "fixtures" / "models" / "qwen2.5-7b"
+UTIL = "actor_rollout_ref.rollout.gpu_memory_utilization"
+
+
+def paper_overrides() -> list[str]:
+    """The Hydra overrides of experiments/paper_qwen7b.sh, the model path pointing at the 7B config fixture."""
+    text = (REPO_ROOT / "experiments" / "paper_qwen7b.sh").read_text()
+    command = text[text.index("-m arpo.main_arpo"):].replace("\\\n", " ")
+    words = shlex.split(command.splitlines()[0])[2:]
+    out = []
+    for w in words:
+        if w == "$@":
+            continue
+        w = w.replace("${ARPO_SHARED_DATA:-../shared/data/arpo}", "/data").replace("$DATA", "/data")
+        out.append(f"actor_rollout_ref.model.path={QWEN7B}" if w.startswith("actor_rollout_ref.model.path=") else w)
+    return out
+
+
+def paper_cfg(*extra: str):
+    return load_config("arpo_trainer", paper_overrides() + list(extra))
+
+
+def test_qwen7b_meta_model_has_the_published_parameter_count():
+    m = model_shapes(str(QWEN7B))
+    assert m.numel == 7_615_616_512
+    assert m.root_numel + m.layers * m.layer_numel == m.numel
+    assert m.head_numel == m.vocab * m.hidden  # untied head
+    assert (m.kv_heads, m.head_dim, m.layers) == (4, 128, 28)
+
+
+@pytest.mark.parametrize("world_size", [6, 8])
+def test_fsdp2_shards_of_the_meta_model_hold_what_the_planner_counts(world_size):
+    """fully_shard per decoder layer and the root, on the meta device over a fake process group: rank 0's local
+    shards (dim 0 padded to the world size) are the elements the planner gives each rank."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        mesh = init_device_mesh("cpu", (world_size,))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(QWEN7B))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        local = sum(p.to_local().numel() for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
+    m = model_shapes(str(QWEN7B))
+    assert local == m.shard_numel(world_size)
+    assert local >= m.numel / world_size
+    plan = build_plan(paper_cfg(f"trainer.n_gpus_per_node={world_size}"), 80 * GIB)
+    states = dict(plan.gpu_tables[0].rows)[f"actor fp32 weights + AdamW m, v (shard 1/{world_size})"]
+    assert states[0] == 12 * local  # fp32 weights, AdamW m and v
+
+
+def test_paper_run_fits_eight_80gb_gpus(capsys):
+    from arpo.plan.__main__ import main
+
+    assert main(["--gpu-memory-gb", "80", "--cost"] + paper_overrides()) == 0
+    out = capsys.readouterr().out
+    assert "per training GPU, with its vLLM replica" in out and "\nfits\n" in out and "predicted seconds" in out
+    plan = build_plan(paper_cfg(), 80 * GIB)
+    assert plan.fits
+    table = plan.gpu_tables[0]
+    peak, _ = table.peak()
+    assert peak <= 80 * GIB
+    # vLLM's rule: gpu_memory_utilization x GPU memory is the engine's whole budget
+    assert dict(table.rows)["vLLM replica (0.6 x GPU; free_cache_engine off: kept)"][0] == 0.6 * 80 * GIB
+    e = plan.engine
+    m = plan.shapes
+    assert e.kv_bytes_per_token == 2 * m.layers * m.kv_heads * m.head_dim * 2  # K and V, bf16
+    assert e.sequences == int(e.kv_cache // e.kv_bytes_per_token) // 5632 >= 1
+    assert plan.settings.replicas == 8 or plan.settings.replicas == 1  # num_replicas: null (per GPU) or the old 1
+
+
+def test_paper_run_at_util_09_with_a_reference_on_the_training_gpus_stops_with_one_line():
+    from arpo.config import cli_main
+    from arpo.plan.__main__ import main
+
+    extra = [f"{UTIL}=0.9", "actor_rollout_ref.actor.use_kl_loss=true"]
+    with pytest.raises(ConfigError) as e:
+        main(["--gpu-memory-gb", "80"] + paper_overrides() + extra)
+    line = str(e.value)
+    assert "\n" not in line and f"{UTIL}=" in line and "per training GPU" in line
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(lambda: main(["--gpu-memory-gb", "80"] + paper_overrides() + extra))
+    assert exit_.value.code == 2
+    # each key the line names makes the plan fit on its own
+    named = [w.rstrip(",") for w in line.split("set one of ")[1].split(" (")[0].split(", ")]
+    for change in named:
+        assert build_plan(paper_cfg(*extra, change), 80 * GIB).fits, change
+
+
+def test_start_up_check_stops_an_overfull_gpu_run(monkeypatch):
+    """What arpo/main_arpo.py's validate_config runs: on a machine with an 80 GB GPU the same run stops there."""
+    class Props:
+        total_memory = 80 * GIB
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props())
+    monkeypatch.setattr("arpo.plan.check._physical_ram", lambda: 1024 * GIB)  # an 8-GPU node's RAM
+    check_config(paper_cfg())  # fits: no error
+    with pytest.raises(ConfigError, match=UTIL.replace(".", r"\.")):
+        check_config(paper_cfg(f"{UTIL}=0.9", "actor_rollout_ref.actor.use_kl_loss=true"))
+
+
+def test_free_cache_engine_frees_the_gpu_during_the_update_and_costs_host_ram():
+    kept = build_plan(paper_cfg(f"{UTIL}=0.9"), 80 * GIB)
+    asleep = build_plan(paper_cfg(f"{UTIL}=0.9", "actor_rollout_ref.rollout.free_cache_engine=true"), 80 * GIB)
+    phases = kept.gpu_tables[0].phases
+    update = phases.index("actor update")
+    assert asleep.gpu_tables[0].totals()[update] < kept.gpu_tables[0].totals()[update] - 60 * GIB
+    # the engine is awake again for the weight push: that phase is unchanged
+    sync = phases.index("weight sync")
+    assert asleep.gpu_tables[0].totals()[sync] == kept.gpu_tables[0].totals()[sync]
+    offload = dict(asleep.host)["sleeping engines' weights offloaded (8 x 2 B/param)"]
+    assert offload == asleep.settings.replicas * asleep.shapes.numel * 2
+
+
+def test_gradient_checkpointing_keeps_one_layer_of_activations():
+    m = model_shapes(str(QWEN7B))
+    s = PlanSettings.from_config(paper_cfg(), gpu=True)
+    tokens = micro_tokens(s, s.micro_batch)
+    assert tokens == 2 * (1536 + 4096)
+    full = training_activation_bytes(m, s, tokens, checkpointing=False)
+    kept = training_activation_bytes(m, s, tokens, checkpointing=True)
+    per_layer = layer_activation_bytes(m, 2) * tokens
+    assert full - kept == pytest.approx((m.layers - 1) * per_layer - m.layers * tokens * 2 * m.hidden)
+
+
+def test_cpu_plan_blocks_only_a_clearly_oversized_run(tmp_path, monkeypatch):
+    from transformers import Qwen2Config
+
+    Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=512).save_pretrained(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    check_config(load_config("arpo_trainer", [f"actor_rollout_ref.model.path={tmp_path}"]))  # the tiny CPU run
+    plan = build_plan(load_config("arpo_trainer", [f"actor_rollout_ref.model.path={QWEN7B}"]), None)
+    assert plan.engine is None and not plan.gpu_tables
+    assert plan.host_bytes > 16 * model_shapes(str(QWEN7B)).numel  # AdamW states + fp32 weights of 7.6B params
+    monkeypatch.setattr("arpo.plan.check._physical_ram", lambda: 24 * GIB)
+    with pytest.raises(ConfigError, match="host RAM"):
+        check_config(load_config("arpo_trainer", [f"actor_rollout_ref.model.path={QWEN7B}"]))
+
+
+def test_cost_model_scales_with_its_stated_rates():
+    from arpo.plan.cost import Throughputs
+
+    plan = build_plan(paper_cfg(), 80 * GIB)
+    base = step_seconds(plan)
+    faster = step_seconds(plan, Throughputs(training_mfu=0.6))
+    assert faster["update"] == pytest.approx(base["update"] / 2)
+    assert base["step"] == pytest.approx(sum(base[k] for k in ("generation", "old_log_probs", "update",
+                                                               "weight_sync")))
+    assert base["decoded_tokens"] == 128 * 16 * 2048
+    assert math.isfinite(base["decode_tokens_per_s_per_gpu"]) and base["decode_tokens_per_s_per_gpu"] > 0
