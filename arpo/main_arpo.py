@@ -379,11 +379,13 @@ def describe_gain(gain: dict[str, Any]) -> str:
 
 
 def main() -> None:
+    from arpo.cli_help import exit_if_help
     from arpo.config import load_config
     from arpo.logging_utils import setup_logging
 
     from arpo.ray_utils import stop_ray
 
+    exit_if_help("arpo_trainer", "python -m arpo.main_arpo", __doc__)
     cfg = load_config("arpo_trainer")
     setup_logging(Path(cfg.trainer.output_dir) / "logs")
     summary = run(cfg)

@@ -230,8 +230,19 @@ def main() -> None:
     from arpo.logging_utils import ENGINE_LOGS_ENV, setup_logging
     from arpo.main_arpo import describe_gain
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default=TINY, help="configs/pipeline/<preset>.yaml (smollm2 | tiny)")
+    from arpo.config import config_dir
+
+    presets = sorted(p.stem for p in (config_dir() / "pipeline").glob("*.yaml"))
+    stage_keys = "\n".join(f"  {stage}: {', '.join(sorted(keys))}" for stage, keys in STAGE_KEYS.items())
+    parser = argparse.ArgumentParser(
+        prog="python -m arpo.pipeline", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s [--preset NAME] [--output-dir DIR] [--force] [--skip-rl] [--show-engine-logs] [key=value ...]",
+        epilog=f"presets (configs/pipeline/): {', '.join(presets)}; make run is --preset smollm2, make run-tiny "
+               f"--preset tiny\n\nkey=value overrides go to each stage whose config has the key's top-level "
+               f"section (configs/<stage>.yaml):\n{stage_keys}")
+    parser.add_argument("--preset", default=TINY,
+                        help=f"configs/pipeline/<preset>.yaml: {' | '.join(presets)} (default: {TINY})")
     parser.add_argument("--output-dir", default=None, help="default: the preset's output_dir")
     parser.add_argument("--force", action="store_true", help="rerun every stage even if its output exists")
     parser.add_argument("--skip-rl", action="store_true", help="stop after the SFT stage")

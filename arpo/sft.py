@@ -431,9 +431,11 @@ def run_sft(cfg) -> Path:
 
 
 def main() -> None:
+    from arpo.cli_help import exit_if_help
     from arpo.config import load_config
     from arpo.logging_utils import setup_logging
 
+    exit_if_help("sft", "python -m arpo.sft", __doc__)
     cfg = load_config("sft")
     setup_logging(cfg.sft.out_dir)
     path = run_sft(cfg)

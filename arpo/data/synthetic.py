@@ -212,8 +212,10 @@ def generate(out_dir: str | Path, seed: int = 0, sizes: Mapping[str, int] | None
 
 
 def main() -> None:
+    from arpo.cli_help import exit_if_help
     from arpo.config import load_config  # local import: keeps this module importable without hydra
 
+    exit_if_help("synthetic_data", "python -m arpo.data.synthetic", __doc__)
     cfg = load_config("synthetic_data")
     s = cfg.synthetic
     paths = generate(s.out_dir, seed=s.seed, sizes=dict(s.sizes), mix=dict(s.mix),

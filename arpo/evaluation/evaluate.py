@@ -1,4 +1,4 @@
-"""Evaluate a checkpoint with the tools over the paper's benchmarks: ``python -m arpo.eval [key=value ...]``.
+"""Evaluate a checkpoint with the tools over the paper's benchmarks (the command: ``python -m arpo.eval``).
 
 Settings are in ``configs/eval.yaml`` (every key documented there). The model (``actor_rollout_ref.model.path``,
 an HF checkpoint) runs on the training engine (``arpo.engine``, vLLM or HF) inside the training rollout
@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from arpo.config import REPO_ROOT, ConfigError, load_config
+from arpo.config import REPO_ROOT, ConfigError
 from arpo.evaluation.benchmarks import (EvalItem, encode_prompt, load_jsonl_benchmark, load_parquet_benchmark,
                                         parquet_benchmark_name)
 from arpo.evaluation.metrics import PROFILES, summarise_profiles
@@ -303,7 +303,8 @@ def _generate(cfg: DictConfig, rollout_config: Any, grader: Any, run_dir: Path, 
         tools.close()
 
 
-def _print_summary(summary: dict[str, Any]) -> None:
+def print_summary(summary: dict[str, Any]) -> None:
+    """The evaluation's closing lines: per benchmark, accuracy (± std over runs), pass@k, tool calls."""
     print(f"method={summary['method']} seed={summary['seed']} runs={summary['num_runs']} "
           f"metric_profile={summary['metric_profile']}")
     for bench, s in summary["benchmarks"].items():
@@ -314,19 +315,3 @@ def _print_summary(summary: dict[str, Any]) -> None:
         pass_text = f"pass@{k} {100 * pk:.1f}" if pk is not None else ""
         print(f"  {bench:<12} acc {100 * acc['mean']:.1f}{std}  {pass_text}  tool calls/q {tools['mean']:.2f}  "
               f"({s['num_samples']} samples)")
-
-
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    from arpo.logging_utils import setup_logging
-
-    cfg = load_config("eval", argv)
-    setup_logging(run_dir_of(cfg) / "logs", filename="eval.log")
-    summary = evaluate(cfg)
-    _print_summary(summary)
-    return summary
-
-
-if __name__ == "__main__":
-    from arpo.config import cli_main
-
-    cli_main(main)

@@ -183,10 +183,12 @@ def build_from_config(t, data_dir: Path) -> Path:
 
 
 def main() -> None:
+    from arpo.cli_help import exit_if_help
     from arpo.config import ConfigError, load_config
     from arpo.data.synthetic import generate
     from arpo.logging_utils import setup_logging
 
+    exit_if_help("tiny_model", "python -m arpo.models.tiny", __doc__)
     cfg = load_config("tiny_model")
     setup_logging()
     data_dir = Path(cfg.data.synthetic_dir)

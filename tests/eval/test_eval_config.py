@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from arpo.config import ConfigError, load_config
-from arpo.evaluation.evaluate import evaluate, load_items, main
+from arpo.eval import main
+from arpo.evaluation.evaluate import evaluate, load_items
 from arpo.evaluation.prompts import system_prompt
 from arpo.evaluation.records import SampleWriter
 from reward_fns.registry import build_compute_score

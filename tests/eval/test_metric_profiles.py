@@ -12,7 +12,7 @@ from arpo.config import ConfigError, load_config
 from arpo.evaluation.evaluate import RUN_FILE, evaluate
 from arpo.evaluation.records import SampleWriter, load_run_samples
 from arpo.evaluation.rescore import main as rescore_main
-from arpo.evaluation.tables import main as tables_main
+from arpo.tables import main as tables_main
 
 # (benchmark, data_source, ground truth, boxed answer) -> strict / arpo accuracy
 SAMPLES = [

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from arpo.evaluation.tables import main as tables_main
+from arpo.tables import main as tables_main
 from arpo.evaluation.tables import make_tables
 from tests.eval.helpers import write_run
 
