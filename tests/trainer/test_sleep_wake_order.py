@@ -1,0 +1,76 @@
+"""Sleep mode through the trainer's own step: with ``free_cache_engine`` resolved on (colocated on GPUs, the
+default), one ``train_step`` generates, puts every replica to sleep before the actor's update, wakes each one before
+any weight reaches it, then probes it; the order is recorded on scripted engines (the payload is
+tests/trainer/test_free_cache_engine.py's and the weight-sync tests' business)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from arpo.testing.scripted_engine import ScriptedEngine
+
+
+class RecordingEngine(ScriptedEngine):
+    """A scripted engine that records the name of every engine call, in order."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls: list[str] = []
+
+    def __getattribute__(self, name):
+        attr = object.__getattribute__(self, name)
+        if name.startswith("_") or not inspect.iscoroutinefunction(attr):
+            return attr
+        calls = object.__getattribute__(self, "calls")
+
+        async def recorded(*args, **kwargs):
+            calls.append(name)
+            return await attr(*args, **kwargs)
+
+        return recorded
+
+
+@pytest.mark.slow  # one real update of the tiny model in this process: ~15 s on 2 busy cores
+def test_train_step_sleeps_every_replica_and_wakes_it_before_the_weights(tiny_model_dir, synthetic_dir):
+    from transformers import AutoTokenizer
+
+    from arpo.config import load_config
+    from arpo.data.rl_dataset import create_rl_dataloaders
+    from arpo.placement import resolve_rollout_auto
+    from arpo.rollout.arpo_rollout import ARPORollout
+    from arpo.trainer.ray_trainer import RayARPOTrainer
+    from arpo.trainer.worker_group import LocalWorkerGroup
+    from reward_fns.manager import RewardManager
+
+    cfg = load_config("arpo_trainer", [f"actor_rollout_ref.model.path={tiny_model_dir}",
+                                       f"synthetic.out_dir={synthetic_dir}", "data.train_batch_size=2",
+                                       "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.n_gpus_per_node=1",
+                                       "actor_rollout_ref.rollout.num_replicas=2", "reward.executor=serial",
+                                       "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.arpo.initial_rollouts=2"])
+    assert resolve_rollout_auto(cfg, gpus=True) == {"num_replicas": 2, "free_cache_engine": True}
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    train, _ = create_rl_dataloaders(cfg, tokenizer)
+    engines = [RecordingEngine(tokenizer) for _ in range(cfg.actor_rollout_ref.rollout.num_replicas)]
+    r = cfg.actor_rollout_ref.rollout
+    rollout = ARPORollout(engines, tokenizer, {**dict(r.arpo), "mode": r.mode, "sampling.max_response_length": 16})
+    actor = LocalWorkerGroup(cfg, "actor")  # the real update and weight push, one rank in this process
+    trainer = RayARPOTrainer(cfg, tokenizer, train, None, rollout, actor, None, engines,
+                             RewardManager.from_config(cfg), None, None)
+    try:
+        metrics = trainer.train_step(train.next_batch())
+    finally:
+        rollout.close()
+        actor.shutdown()
+        trainer.close()
+    assert "rollout/weight_sync_probe" in metrics
+    for engine in engines:
+        calls = engine.calls
+        assert calls.count("sleep") == 1 and calls.count("wake_up") == 1, calls
+        asleep, awake = calls.index("sleep"), calls.index("wake_up")
+        weights = [i for i, c in enumerate(calls) if "weight" in c]
+        assert "generate" in calls[:asleep]  # the rollout ran before the sleep
+        assert asleep < awake < weights[0], calls  # no weight reaches a sleeping engine
+        assert calls[asleep + 1:awake] == []  # nothing runs on a sleeping engine
+        assert calls[-1] == "generate" and not engine.asleep  # the probe, on the new weights
