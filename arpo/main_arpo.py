@@ -175,7 +175,7 @@ def build_trainer(cfg: DictConfig):
     tracker = Tracking(t.project_name, t.experiment_name, list(t.logger), Path(t.output_dir) / "logs",
                        config=OmegaConf.to_container(cfg, resolve=True), wandb_mode=t.wandb_mode)
     checkpointer = TrainerCheckpointer(t.default_local_dir, t.resume_mode, t.resume_from_path,
-                                       t.max_actor_ckpt_to_keep)
+                                       t.max_actor_ckpt_to_keep, t.max_critic_ckpt_to_keep)
     trainer = RayARPOTrainer(cfg, tokenizer, train_loader, val_loader, rollout, groups["actor"], groups.get("ref"),
                              engines, reward_manager, tracker, checkpointer, critic_wg=groups.get("critic"))
     return trainer

@@ -262,9 +262,10 @@ def validate_actor_config(cfg: Any) -> None:
     if mode not in ("auto", "disable", "resume_path") and not Path(mode).is_dir():
         raise ConfigError(f"trainer.resume_mode={mode!r} is neither auto, disable nor an existing checkpoint "
                           f"directory (global_step_N)")
-    keep = cfg_get(cfg, "trainer.max_actor_ckpt_to_keep")
-    if keep is not None and (not isinstance(keep, int) or keep < 1):
-        raise ConfigError(f"trainer.max_actor_ckpt_to_keep must be null (keep all) or >= 1, got {keep!r}")
+    for key in ("max_actor_ckpt_to_keep", "max_critic_ckpt_to_keep"):
+        keep = cfg_get(cfg, f"trainer.{key}")
+        if keep is not None and (not isinstance(keep, int) or keep < 1):
+            raise ConfigError(f"trainer.{key} must be null (keep all) or >= 1, got {keep!r}")
     contents = list(cfg_get(cfg, "actor_rollout_ref.actor.checkpoint.save_contents", ["model", "optimizer", "extra"]))
     bad = [c for c in contents if c not in SAVE_CONTENTS]
     if bad or "model" not in contents:

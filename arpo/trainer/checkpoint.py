@@ -168,13 +168,22 @@ def step_of(path: str | Path) -> int | None:
 
 
 class CheckpointManager:
-    """Step directories under ``root``: atomic commit, verl's tracker file, retention of the newest ``max_to_keep``."""
+    """Step directories under ``root``: atomic commit, verl's tracker file, retention.
 
-    def __init__(self, root: str | Path, max_to_keep: int | None = None):
-        if max_to_keep is not None and max_to_keep < 1:
-            raise ValueError(f"trainer.max_actor_ckpt_to_keep must be null or >= 1, got {max_to_keep}")
+    Retention (verl's ``trainer.max_actor_ckpt_to_keep`` / ``max_critic_ckpt_to_keep``; None keeps all): after each
+    commit, step directories beyond the newest ``max_to_keep`` are removed, and the critic shards (``critic/``) of
+    those beyond the newest ``max_critic_to_keep``. Never removed: the step just written, the tracker's step and
+    the newest complete step (:meth:`latest`, what ``resume_mode: auto`` reads). A resumed run that saves a step
+    below an older run's newest (resumed from a path) thus keeps both.
+    """
+
+    def __init__(self, root: str | Path, max_to_keep: int | None = None, max_critic_to_keep: int | None = None):
+        for key, value in (("max_actor_ckpt_to_keep", max_to_keep), ("max_critic_ckpt_to_keep", max_critic_to_keep)):
+            if value is not None and value < 1:
+                raise ValueError(f"trainer.{key} must be null (keep all) or >= 1, got {value}")
         self.root = Path(root)
         self.max_to_keep = max_to_keep
+        self.max_critic_to_keep = max_critic_to_keep
 
     def step_dir(self, step: int) -> Path:
         return self.root / f"{STEP_PREFIX}{step}"
@@ -215,18 +224,30 @@ class CheckpointManager:
         _fsync_path(tracker_tmp)
         tracker_tmp.replace(self.root / TRACKER_FILE)
         _fsync_path(self.root)
-        self.prune()
+        self.prune(written=step)
         logger.info("checkpoint saved: %s", final)
         return final
 
-    def prune(self) -> None:
-        if self.max_to_keep is None:
-            return
+    def prune(self, written: int | None = None) -> None:
+        """Apply retention after step ``written`` was committed (see the class docstring)."""
         steps = self.complete_steps()
-        for step in steps[: max(0, len(steps) - self.max_to_keep)]:
-            shutil.rmtree(self.step_dir(step), ignore_errors=True)
-            logger.info("removed old checkpoint %s (trainer.max_actor_ckpt_to_keep=%d)", self.step_dir(step),
-                        self.max_to_keep)
+        protected = {written, self._tracked_step(), steps[-1] if steps else None}
+        for limit, part, key in ((self.max_to_keep, None, "max_actor_ckpt_to_keep"),
+                                 (self.max_critic_to_keep, "critic", "max_critic_ckpt_to_keep")):
+            if limit is None:
+                continue
+            for step in steps[: max(0, len(steps) - limit)]:
+                target = self.step_dir(step) / part if part else self.step_dir(step)
+                if step in protected or not target.exists():
+                    continue
+                shutil.rmtree(target, ignore_errors=True)
+                logger.info("removed old checkpoint %s (trainer.%s=%d)", target, key, limit)
+
+    def _tracked_step(self) -> int | None:
+        try:
+            return int((self.root / TRACKER_FILE).read_text().strip())
+        except (OSError, ValueError):
+            return None
 
     def latest(self) -> Path | None:
         """The newest complete step directory. Normally the tracker's; a higher complete directory wins

@@ -328,10 +328,10 @@ class TrainerCheckpointer:
     dataloader position, RNG states, step, KL controller — committed atomically as one ``global_step_N`` directory."""
 
     def __init__(self, root: str | Path, resume_mode: str = "auto", resume_from_path: str | None = None,
-                 max_to_keep: int | None = None):
+                 max_to_keep: int | None = None, max_critic_to_keep: int | None = None):
         from arpo.trainer.checkpoint import CheckpointManager
 
-        self.manager = CheckpointManager(root, max_to_keep)
+        self.manager = CheckpointManager(root, max_to_keep, max_critic_to_keep)
         self.resume_mode = resume_mode
         self.resume_from_path = resume_from_path
 
