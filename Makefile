@@ -1,18 +1,17 @@
 # One-command entry points (see README.md). `make run` and `make test` install first (skipped when up to date).
+# The stack is ARPO_REQUIREMENTS (requirements.txt: CPU, the default; requirements-gpu.txt: CUDA) or, once installed,
+# the one $(VENV) holds: scripts/install_stamp.sh keeps it, reinstalls it when its inputs change, and refuses to lay
+# the other stack over it.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.arpo-installed
 PYTEST_ARGS ?=
 # pytest-xdist workers for `make test`: on 2 cores two workers overlap one test's start-ups and waits with another's work
 TEST_WORKERS ?= 2
 
 .PHONY: install run run-tiny test test-fast bench clean
 
-$(STAMP): requirements.txt pyproject.toml scripts/install.sh
-	bash scripts/install.sh
-	touch $(STAMP)
-
-install: $(STAMP)
+install:
+	@bash scripts/install_stamp.sh ensure $(VENV)
 
 # The real-model reproduction (SmolLM2-135M-Instruct): convert, SFT, ARPO, validation before/after with the gain's
 # 95% CI as the last line (outputs/smollm2_arpo; ~30 min on 2 cores). ARGS passes overrides or --output-dir.

