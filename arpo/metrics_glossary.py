@@ -36,6 +36,7 @@ _REWARD = "Rewards (reward/*)"
 _DATA = "Lengths, throughput and data (response_length/*, prompt_length/*, perf/*, train/*, training/*)"
 _TIME = "Time (timing_s/*, seconds a step)"
 _VAL = "Validation (val-core/*)"
+_AGENT = "Agent loops (agent_loop/*, with actor_rollout_ref.rollout.mode=agent_loop)"
 
 GLOSSARY: tuple[MetricEntry, ...] = (
     MetricEntry("step", _TRACKER, "the training step the record belongs to (0: validation before training)"),
@@ -141,6 +142,10 @@ GLOSSARY: tuple[MetricEntry, ...] = (
                 "push (changes every update: the engine got the weights)"),
     MetricEntry("rollout/weight_sync_replica_gap", _ROLLOUT, "largest difference of the replicas' probes after a "
                 "push (0: every replica got the weights)"),
+    # the agent-loop path (arpo/agent_loop/manager.py); it logs rollout/trajectories and rollout/tool_calls/total too
+    MetricEntry("agent_loop/num_trajectories", _AGENT, "trajectories the agent loops returned"),
+    MetricEntry("agent_loop/num_turns/*", _AGENT, "turns per trajectory (mean / max / min)"),
+    MetricEntry("agent_loop/branched_fraction", _AGENT, "share of trajectories that are forks (`arpo_agent`)"),
     # rewards (reward_fns/manager.py)
     MetricEntry("reward/errors", _REWARD, "rows whose reward function raised (scored `reward.error_score`)"),
     MetricEntry("reward/overlong/fraction", _REWARD, "share of rows given the overlong penalty "

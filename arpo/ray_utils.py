@@ -69,7 +69,7 @@ def init_ray(cfg: Any = None) -> None:
 
         adopt_library_logger("ray")
     # Workers must import this checkout's code, not whatever `arpo` the venv's editable install points at; on a
-    # cluster every node holds the checkout at the same path (README: several machines).
+    # cluster every node holds the checkout at the same path (docs/scaling/index.md).
     python_path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     runtime_env["env_vars"]["PYTHONPATH"] = python_path
     if address:

@@ -29,8 +29,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Path]:
                                               "writes table.md and runs.csv")
     parser.add_argument("--baseline", help="--training-runs: the variant the others are tested against")
     parser.add_argument("--out", required=True, help="output folder for the tables")
-    parser.add_argument("--metric", default="acc", help="acc (default) | f1 | em | pass@<k>; profile arpo also substring_acc | "
-                             "math_equal, profile strict also score | format_ok")
+    parser.add_argument("--metric", default="acc", help="acc (default) | f1 | em | pass@<k>; profile arpo also "
+                                                        "substring_acc | math_equal, profile strict also score | "
+                                                        "format_ok")
     parser.add_argument("--digits", type=int, default=1)
     parser.add_argument("--methods", nargs="*", default=None, help="rows in this order (default: all, sorted)")
     parser.add_argument("--profile", default="arpo", choices=PROFILES,

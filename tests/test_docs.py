@@ -5,6 +5,7 @@ glossary entry (the end-to-end training runs check theirs in tests/test_main_arp
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,11 +16,11 @@ from arpo.config import REPO_ROOT
 
 
 def test_site_builds_in_strict_mode_with_generated_pages(tmp_path):
-    site = tmp_path / "site"
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-f",
+    site = tmp_path / "site"  # no --quiet: it drops the warnings that --strict turns into a failure
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f",
                         str(REPO_ROOT / "mkdocs.yml"), "-d", str(site)],
                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-                       env={**__import__("os").environ, "NO_MKDOCS_2_WARNING": "1"})
+                       env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     config_page = (site / "configuration" / "index.html").read_text()
     assert "actor_rollout_ref.rollout.arpo.branching.beam_size" in config_page
@@ -79,7 +80,8 @@ def test_glossary_covers_the_rollout_and_batch_metrics_of_every_policy(overrides
     from arpo.trainer.metrics import Timer, compute_data_metrics
     from tests.rollout.fake_tools import FakePython, FakeSearch
 
-    r = load_config("arpo_trainer", [f"actor_rollout_ref.rollout.arpo.{o}" for o in overrides]).actor_rollout_ref.rollout
+    cfg = load_config("arpo_trainer", [f"actor_rollout_ref.rollout.arpo.{o}" for o in overrides])
+    r = cfg.actor_rollout_ref.rollout
     engine = ScriptedEngine()
     gen = ARPORollout(engine, engine.tokenizer, {**dict(r.arpo), "sampling.max_response_length": 200},
                       tools=[FakeSearch(), FakePython()])

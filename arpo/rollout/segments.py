@@ -5,7 +5,7 @@ When every stop string (the tools' close tags) is a single token of the vocabula
 tiny model's, requests run without detokenisation (vLLM's flat logprobs: the k candidates are not decoded) and
 stop on those token ids. Otherwise the engine detokenises to find the stop strings. Asking logprobs only for a
 segment's entropy window (a window request, then a continuation without them) was measured slower on both
-models here: the extra request per segment cost more than the logprobs it saved (README, *Differences*). A
+models here: the extra request per segment cost more than the logprobs it saved (docs/differences.md). A
 stop string the engine could not see (in an undetokenised request, or split across two) is cut here, where an
 engine matching strings would have stopped.
 """

@@ -1,0 +1,76 @@
+"""Committed text says what the project is and how to use it: no notes about how a change was made (work
+sessions, lent machines, numbered stops or issues, agents, internal goals) and no paths of one developer's
+machine, in docs, READMEs, code and its comments, notebooks, YAML and scripts.
+
+Data files (JSON, JSONL, CSV run records) are not scanned: they record where a run ran."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+from arpo.config import REPO_ROOT
+
+TEXT_SUFFIXES = (".md", ".py", ".yaml", ".yml", ".ipynb", ".sh", ".txt", ".toml", ".cfg", ".ini")
+TEXT_NAMES = ("Makefile", "run")
+
+#: rule name -> pattern (case-insensitive)
+RULES = {
+    "a work session": r"\b(this|these) sessions?\b|\bsessions?['’] (machines?|fixes|CPUs?)\b",
+    "a lent machine": r"\blent\b|\bloans?\b",
+    "a numbered stop": r"\bstops? \d+\b",
+    "an issue number": r"\bissues? #?\d+\b",
+    "agents": r"\b(other|coding|AI|four|helper) agents?\b",
+    "an internal goal": r"\bthe [\d.]+ ?(s|GB|x) goal\b|\bgoal (is|was) (still )?(not )?met\b",
+    "a local path": r"/work/|/root/|/home/[a-z]|\.\./shared(?!/data/arpo)",
+}
+#: files that must name host paths: the sandbox's docs and tests list what it hides (/root, /home)
+ALLOWED = {
+    "a local path": ("tools/python_sandbox/", "tests/tools/test_python_sandbox"),
+}
+THIS_FILE = "tests/test_project_text.py"
+
+
+def committed_text_files(root: Path = REPO_ROOT) -> list[str]:
+    """Tracked files that are text a reader sees."""
+    listed = subprocess.run(["git", "ls-files", "--cached"], cwd=root,
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    return sorted(f for f in set(listed) if (f.endswith(TEXT_SUFFIXES) or Path(f).name in TEXT_NAMES)
+                  and f != THIS_FILE and (root / f).is_file())
+
+
+def violations(root: Path, files: list[str]) -> list[str]:
+    """``path:line: [rule] text`` for every line of ``files`` a rule matches."""
+    compiled = {name: re.compile(pattern, re.I) for name, pattern in RULES.items()}
+    found = []
+    for rel in files:
+        try:
+            text = (root / rel).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        for lineno, line in enumerate(text.splitlines(), 1):
+            for name, rx in compiled.items():
+                if rx.search(line) and not rel.startswith(ALLOWED.get(name, ("\0",))):
+                    found.append(f"{rel}:{lineno}: [{name}] {line.strip()[:160]}")
+    return found
+
+
+def test_committed_text_has_no_build_notes_or_local_paths():
+    found = violations(REPO_ROOT, committed_text_files())
+    assert not found, ("say what the project is, not how it was built; no local paths:\n" + "\n".join(found))
+
+
+def test_the_rules_catch_each_kind(tmp_path):
+    """Each rule fires on a line of its kind and not on the project's own words for similar things."""
+    bad = {"a work session": "measured in this session", "a lent machine": "an H100 lent for 15 minutes",
+           "a numbered stop": "CI at stop 33 took", "an issue number": "fixed (issue 24)",
+           "agents": "other agents edit this file", "an internal goal": "the 40 s goal is not met",
+           "a local path": "see ../shared/docs/notes.md or /home/alice/x"}
+    good = ["a Ray session's temp dir", "pytest session fixture", "kill that session only",
+            "ARPO_SHARED_DATA (default ../shared/data/arpo)", "the tool_agent loop", "equivalent", "issue tracker"]
+    (tmp_path / "bad.md").write_text("\n".join(bad.values()) + "\n")
+    (tmp_path / "good.md").write_text("\n".join(good) + "\n")
+    hits = violations(tmp_path, ["bad.md", "good.md"])
+    assert sorted(h.split("[")[1].split("]")[0] for h in hits) == sorted(bad)
+    assert all(h.startswith("bad.md:") for h in hits)
