@@ -1,5 +1,5 @@
 """notebooks/arpo_analysis.ipynb runs top to bottom in the project's kernel: against the committed SmolLM2 ablation
-(three variants, two seeds, rollout dumps) it draws every figure; against the smoke ablation's fresh results (slow:
+(three variants, three seeds, rollout dumps) it draws every figure; against the smoke ablation's fresh results (slow:
 made by tests/test_ablation.py's fixture, once per session) it reads what today's code writes; against a missing
 folder it says so and skips its cells without an error."""
 
