@@ -204,6 +204,22 @@ def undocumented_keys(cfg: Any | None = None, docs: ConfigDocs | None = None) ->
     return lines
 
 
+def typed_fields(cls: type, prefix: str) -> dict[str, str]:
+    """Dotted key -> type name of every field of a typed config dataclass (nested sections recursed)."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    out: dict[str, str] = {}
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            out.update(typed_fields(kind, f"{prefix}.{f.name}"))
+        else:
+            out[f"{prefix}.{f.name}"] = getattr(kind, "__name__", str(kind)).replace("typing.", "")
+    return out
+
+
 def _fmt_default(value: Any) -> str:
     text = "null" if value is None else str(value).replace("True", "true").replace("False", "false")
     text = text.replace("|", "\\|")
@@ -214,9 +230,12 @@ def configuration_page(cfg: Any | None = None, docs: ConfigDocs | None = None) -
     """Markdown of the configuration reference."""
     from arpo.config import load_config
 
+    from arpo.rollout.config import ARPORolloutConfig
+
     cfg = cfg if cfg is not None else load_config(TRAINING_CONFIG, [])
     docs = docs or collect_config_docs()
     keys = composed_keys(cfg)
+    types = typed_fields(ARPORolloutConfig, "actor_rollout_ref.rollout.arpo")
     lines = [
         "# Configuration reference",
         "",
@@ -240,12 +259,15 @@ def configuration_page(cfg: Any | None = None, docs: ConfigDocs | None = None) -
                 ".".join(key.split(".")[:2])
         sections.setdefault(top, []).append((key, value))
     for section, items in sections.items():
-        lines += [f"## `{section}`", "", "| key | default | what | where |", "|---|---|---|---|"]
+        typed = any(key in types for key, _ in items)
+        lines += [f"## `{section}`", "", "| key | default | " + ("type | " if typed else "") + "what | where |",
+                  "|---|---|" + ("---|" if typed else "") + "---|---|"]
         for key, value in items:
             doc = _documented(key, docs)
             comment = (doc.comment if doc else "").replace("|", "\\|")
             where = doc.where.rsplit(":", 1)[0] if doc else ""
-            lines.append(f"| `{key}` | {_fmt_default(value)} | {comment} | {where} |")
+            kind = f"`{types[key]}` | " if typed else ""
+            lines.append(f"| `{key}` | {_fmt_default(value)} | {kind}{comment} | {where} |")
         lines.append("")
     return "\n".join(lines)
 

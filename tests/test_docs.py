@@ -29,8 +29,13 @@ def test_site_builds_in_strict_mode_with_generated_pages(tmp_path):
 
 
 def test_every_training_config_key_has_a_yaml_comment():
-    from arpo.docs_gen import undocumented_keys
+    import importlib
 
+    from arpo.docs_gen import TYPED_SECTIONS, undocumented_keys
+
+    for target in TYPED_SECTIONS.values():  # the reference names the classes that validate each section
+        module, _, name = target.rpartition(".")
+        assert hasattr(importlib.import_module(module), name), target
     missing = undocumented_keys()
     assert not missing, ("config keys without a comment (the configuration reference is built from them):\n"
                          + "\n".join(missing))
