@@ -87,7 +87,8 @@ def test_paper_run_fits_eight_80gb_gpus(capsys):
     peak, _ = table.peak()
     assert peak <= 80 * GIB
     # vLLM's rule: gpu_memory_utilization x GPU memory is the engine's whole budget
-    assert dict(table.rows)["vLLM replica (0.6 x GPU; free_cache_engine off: kept)"][0] == 0.6 * 80 * GIB
+    # free_cache_engine null: on when colocated on GPUs, so the replica sleeps through the update
+    assert dict(table.rows)["vLLM replica (0.6 x GPU; asleep after generation)"][0] == 0.6 * 80 * GIB
     e = plan.engine
     m = plan.shapes
     assert e.kv_bytes_per_token == 2 * m.layers * m.kv_heads * m.head_dim * 2  # K and V, bf16
@@ -127,8 +128,8 @@ def test_start_up_check_stops_an_overfull_gpu_run(monkeypatch):
 
 
 def test_free_cache_engine_frees_the_gpu_during_the_update_and_costs_host_ram():
-    kept = build_plan(paper_cfg(f"{UTIL}=0.9"), 80 * GIB)
-    asleep = build_plan(paper_cfg(f"{UTIL}=0.9", "actor_rollout_ref.rollout.free_cache_engine=true"), 80 * GIB)
+    kept = build_plan(paper_cfg(f"{UTIL}=0.9", "actor_rollout_ref.rollout.free_cache_engine=false"), 80 * GIB)
+    asleep = build_plan(paper_cfg(f"{UTIL}=0.9"), 80 * GIB)  # null: on, colocated on GPUs
     phases = kept.gpu_tables[0].phases
     update = phases.index("actor update")
     assert asleep.gpu_tables[0].totals()[update] < kept.gpu_tables[0].totals()[update] - 60 * GIB

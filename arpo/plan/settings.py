@@ -90,8 +90,11 @@ class PlanSettings:
         tp = int(_get(cfg, f"{r}.tensor_model_parallel_size", 1))
         world = int(t.nnodes) * int(t.n_gpus_per_node)
         replicas = _get(cfg, f"{r}.num_replicas")
-        if replicas is None:  # one replica per tensor-parallel group of training GPUs (hybrid), 1 without GPUs
-            replicas = max(1, world // tp) if gpu else 1
+        if replicas is None:  # the run's own rule: one per tensor-parallel group of training GPUs when colocated
+            from arpo.placement import auto_num_replicas
+
+            replicas = auto_num_replicas(hybrid, world, tp, gpu)
+        free_cache = _get(cfg, f"{r}.free_cache_engine")  # null: on when colocated on GPUs, as the run resolves it
         tree = str(_get(cfg, "actor_rollout_ref.model.tree_packing", "auto")).lower()
         bucket_mb = float(_get(cfg, f"{r}.checkpoint_engine.update_weights_bucket_megabytes", DEFAULT_BUCKET_MB))
         kv_gb = _get(cfg, f"{r}.cpu_kvcache_space_gb", 2)
@@ -114,7 +117,7 @@ class PlanSettings:
             logprob_chunk=int(_get(cfg, "actor_rollout_ref.actor.logprob_chunk_size", 256)),
             tree_packing=tree == "true" or (tree == "auto" and not gpu),
             reference=needs_reference(cfg), critic=uses_critic(cfg),
-            free_cache_engine=bool(_get(cfg, f"{r}.free_cache_engine", False)),
+            free_cache_engine=bool(hybrid and gpu) if free_cache is None else bool(free_cache),
             sleep_level=int(_get(cfg, f"{r}.sleep_level", 1)),
             gpu_memory_utilization=float(_get(cfg, f"{r}.gpu_memory_utilization", 0.5)),
             max_model_len=None if model_len is None else int(model_len),
