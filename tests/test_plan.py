@@ -147,7 +147,7 @@ def test_gradient_checkpointing_keeps_one_layer_of_activations():
     assert tokens == 2 * (1536 + 4096)
     full = training_activation_bytes(m, s, tokens, checkpointing=False)
     kept = training_activation_bytes(m, s, tokens, checkpointing=True)
-    per_layer = layer_activation_bytes(m, 2) * tokens
+    per_layer = layer_activation_bytes(m, s) * tokens
     assert full - kept == pytest.approx((m.layers - 1) * per_layer - m.layers * tokens * 2 * m.hidden)
 
 

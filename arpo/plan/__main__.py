@@ -11,8 +11,10 @@ import sys
 
 from arpo.plan.memory import GIB
 
-USAGE_EPILOG = ("example: python -m arpo.plan --gpu-memory-gb 80 --cost actor_rollout_ref.model.path=Qwen/Qwen2.5-7B "
-                "trainer.n_gpus_per_node=8 data.max_response_length=4096 actor_rollout_ref.rollout.n=16")
+USAGE_EPILOG = ("example: python -m arpo.plan --gpu-memory-gb 80 --cost "
+                "actor_rollout_ref.model.path=tests/fixtures/models/qwen2.5-7b trainer.n_gpus_per_node=8 "
+                "data.max_response_length=4096 actor_rollout_ref.rollout.n=16 (a directory with a config.json is "
+                "enough: no weights are read)")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -9,7 +9,8 @@ hidden, KV and MLP widths, L layers, V vocabulary, T tokens of a micro-batch = r
   gathered in b, and in the backward the root's and one layer's unsharded gradients (b, plus 4 for a layer's
   fp32 reduce-scatter copy).
 * activations a decoder layer saves per token: norms 2(4h + bh) (HF's RMSNorm upcasts to fp32), attention
-  b(3h + 2h_kv) (q, k, v, the attention output and o_proj's contiguous input), SwiGLU MLP 4bi. Without gradient
+  b(3h + 2h_kv) (q, k, v, the attention output and o_proj's contiguous input), SwiGLU MLP 4bi (on a CPU under
+  autocast: b = 4, plus the bf16 copies of the four linear inputs, 2(3h + i)). Without gradient
   checkpointing T·L·that; with it T·(L·r·h + that) (each layer's input kept, one layer recomputed at a time).
   Plus the log-prob head (arpo/trainer/logprobs.py): the final hidden state T·r·h and four fp32 (chunk, V) buffers
   (logits, probabilities, their product, the gradient), and 2T·r·h of residual gradient.
@@ -96,14 +97,18 @@ def micro_tokens(s: PlanSettings, rows: int) -> int:
     return max(padded, min(MAX_PACKED_TOKENS, s.n * s.seq_len)) if s.tree_packing else padded
 
 
-def layer_activation_bytes(m: ModelShapes, b: int) -> int:
-    """Bytes a decoder layer saves for its backward, per token (module docstring)."""
-    return 2 * (4 * m.hidden + b * m.hidden) + b * (3 * m.hidden + 2 * m.kv_hidden) + 4 * b * m.intermediate
+def layer_activation_bytes(m: ModelShapes, s: PlanSettings) -> int:
+    """Bytes a decoder layer saves for its backward, per token (module docstring). CPU autocast keeps the layer in
+    fp32 and saves a bf16 copy of each linear layer's input besides (q/k/v, o_proj, gate/up, down)."""
+    autocast_cpu = not s.gpu and s.compute_bytes < 4
+    b = 4 if autocast_cpu else s.compute_bytes
+    saved = 2 * (4 * m.hidden + b * m.hidden) + b * (3 * m.hidden + 2 * m.kv_hidden) + 4 * b * m.intermediate
+    return saved + (2 * (3 * m.hidden + m.intermediate) if autocast_cpu else 0)
 
 
 def training_activation_bytes(m: ModelShapes, s: PlanSettings, tokens: int, checkpointing: bool) -> float:
-    b, r = s.compute_bytes, s.compute_bytes if s.gpu else 4
-    per_layer = layer_activation_bytes(m, b)
+    r = s.compute_bytes if s.gpu else 4
+    per_layer = layer_activation_bytes(m, s)
     decoder = tokens * (m.layers * r * m.hidden + per_layer) if checkpointing else tokens * m.layers * per_layer
     return decoder + 3 * tokens * r * m.hidden
 

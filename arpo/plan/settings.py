@@ -20,11 +20,13 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
 
 
 def _dtype_bytes(name: str, gpu: bool, key: str) -> int:
-    """Bytes per element of a dtype key's value: ``auto`` and ``fast`` are bf16 on a GPU, fp32 on a CPU (the plan
-    is conservative where a CPU might compute bf16)."""
+    """Bytes per element of a dtype key's value: ``auto`` and ``fast`` are bf16 on a GPU; on a CPU what this
+    machine resolves them to (arpo/trainer/device.py: ``fast`` is bf16 only with native bf16 instructions)."""
     name = str(name).lower()
     if name in ("auto", "fast"):
-        return 2 if gpu else 4
+        from arpo.trainer.device import resolve_dtype
+
+        return 2 if gpu else resolve_dtype(name, "cpu").itemsize
     if name not in _DTYPE_BYTES:
         raise ValueError(f"{key}={name!r}: the planner knows {sorted(_DTYPE_BYTES)} and auto/fast")
     return _DTYPE_BYTES[name]
