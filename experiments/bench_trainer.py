@@ -327,7 +327,15 @@ def run_setting(model: Path, ranks: int, cpus_per_rank: float, micro: int, batch
                 elif phase == "update_policy":
                     metrics = group.update_policy(train)
                 else:
-                    group.engine_weights()  # rank 0 gathers the state dict into Ray's object store
+                    # rank 0 gathers the weights bucket by bucket into Ray's object store, as a push does
+                    for i in range(len(group.plan_weight_sync("bfloat16" if args.device == "cuda" else "float32",
+                                                              512 * 2**20))):
+                        bucket = group.weight_bucket(i)
+                        if not args.no_ray:
+                            import ray
+
+                            ray.wait([bucket], fetch_local=False)
+                    group.end_weight_sync()
                 elapsed = time.perf_counter() - t0
                 step_peaks, step_gpu, cpu_after = _rank_stats(group)
                 if step >= args.warmup:  # warm-up steps pay one-off allocation and autograd set-up

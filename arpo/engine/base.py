@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from arpo.engine.weights import EngineWeights
+    from arpo.engine.weights import EngineWeights, WeightBucket
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,18 @@ class GenerationEngine(Protocol):
 
     async def update_weights(self, weights: "EngineWeights") -> None:
         """Take ``weights`` (a state dict in HF names, or a safetensors directory) as the new weights and reset
-        the prefix cache."""
+        the prefix cache (tests, tools; the trainer streams buckets, below)."""
+
+    async def begin_weight_update(self) -> str:
+        """Start a bucketed weight update: generation pauses (requests in flight are kept) until
+        :meth:`finish_weight_update`. Returns the dtype name the floating-point weights should come in (the one the
+        engine computes in, e.g. ``"bfloat16"``)."""
+
+    async def load_weight_bucket(self, bucket: "WeightBucket") -> None:
+        """Load one bucket of new weights (HF names; see :mod:`arpo.engine.weights`)."""
+
+    async def finish_weight_update(self) -> None:
+        """End the update: finish processing the loaded weights, reset the prefix cache, resume generation."""
 
     async def reset_prefix_cache(self) -> None: ...
 

@@ -62,6 +62,11 @@ class EngineConfig:
     hf_max_batch_size: int = 32
     #: extra keyword arguments passed verbatim to vLLM's AsyncEngineArgs (verl's engine_kwargs.vllm).
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: weight sync: the most MiB of weights (in the engine's dtype) moved as one bucket, verl's
+    #: ``checkpoint_engine.update_weights_bucket_megabytes`` (read from that sub-section by :meth:`from_cfg`).
+    #: The trainer's rank 0 and each engine hold about two buckets at a time; a tensor bigger than this travels in a
+    #: bucket of its own.
+    update_weights_bucket_megabytes: int = 512
 
     def validate(self) -> "EngineConfig":
         pre = "actor_rollout_ref.rollout"
@@ -95,9 +100,14 @@ class EngineConfig:
             raise ValueError(f"{pre}.sleep_level={self.sleep_level}: must be 1 (offload weights) or 2 (discard)")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"{pre}.cpu_threads={self.cpu_threads}: must be >= 1 or null (every core)")
+        _check_bucket_megabytes(self.update_weights_bucket_megabytes)
         if self.cpu_kvcache_space_gb is not None and self.cpu_kvcache_space_gb < 1:
             raise ValueError(f"{pre}.cpu_kvcache_space_gb={self.cpu_kvcache_space_gb}: must be >= 1 (GiB) or null")
         return self
+
+    @property
+    def update_weights_bucket_bytes(self) -> int:
+        return int(self.update_weights_bucket_megabytes) * 1024 * 1024
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "EngineConfig":
@@ -121,11 +131,36 @@ class EngineConfig:
             raise ValueError("config has no actor_rollout_ref section: compose configs/rollout/engine.yaml "
                              "into the root config (or pass its keys to EngineConfig.from_mapping)") from None
         rollout = dict(arr.get("rollout") or {})
-        known = {f.name for f in fields(cls)} - {"model_path"}
+        known = {f.name for f in fields(cls)} - {"model_path", "update_weights_bucket_megabytes"}
         values = {k: v for k, v in rollout.items() if k in known}
+        values["update_weights_bucket_megabytes"] = _bucket_megabytes(rollout)
         path = (arr.get("model") or {}).get("path")
         values["model_path"] = "" if path in (None, "???") else str(path)
         return cls.from_mapping(values)
+
+
+def _check_bucket_megabytes(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes={value!r}: "
+                         f"must be a whole number of MiB >= 1 (verl's default: 512)")
+    return value
+
+
+def _bucket_megabytes(rollout: Mapping[str, Any]) -> int:
+    """``checkpoint_engine.update_weights_bucket_megabytes`` of a rollout section (default 512), checked."""
+    section = dict(rollout.get("checkpoint_engine") or {})
+    unknown = sorted(set(section) - {"update_weights_bucket_megabytes"})
+    if unknown:
+        raise ValueError(f"actor_rollout_ref.rollout.checkpoint_engine: unknown key(s) {unknown}; the one known "
+                         f"key is update_weights_bucket_megabytes")
+    return _check_bucket_megabytes(section.get("update_weights_bucket_megabytes", 512))
+
+
+def bucket_bytes_from_cfg(cfg: Any) -> int:
+    """The weight sync's bucket size in bytes, from a root config (the trainer's side of the key)."""
+    root = _to_container(cfg)
+    rollout = ((root or {}).get("actor_rollout_ref") or {}).get("rollout") or {}
+    return _bucket_megabytes(rollout) * 1024 * 1024
 
 
 def _to_container(cfg: Any) -> Any:

@@ -31,7 +31,7 @@ import torch
 
 from arpo.engine.base import GenerationOutput, SamplingParams
 from arpo.engine.config import EngineConfig, default_device, resolve_dtype
-from arpo.engine.weights import EngineWeights, state_dict_of
+from arpo.engine.weights import EngineWeights, WeightBucket, dtype_name, state_dict_of
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,8 @@ class HFEngine:
         self._worker: asyncio.Task | None = None
         # Held while a batch decodes or weights load, so a weight update never lands mid-batch.
         self._model_lock = threading.Lock()
+        #: during a bucketed weight update: the model's state dict and the names loaded so far
+        self._incoming: tuple[dict[str, torch.Tensor], set[str]] | None = None
         self.startup_seconds = time.perf_counter() - start
 
     # ---------------------------------------------------------------- GenerationEngine
@@ -153,6 +155,29 @@ class HFEngine:
         """Load a state dict (or a safetensors directory) into the model (waits for a running batch to end)."""
         await asyncio.to_thread(self._load_state, state_dict_of(weights))
 
+    async def begin_weight_update(self) -> str:
+        """Hold the model (a running batch ends first; new ones wait) until :meth:`finish_weight_update`."""
+        await asyncio.to_thread(self._model_lock.acquire)
+        self._incoming = (self.model.state_dict(), set())
+        return dtype_name(self.dtype)
+
+    async def load_weight_bucket(self, bucket: WeightBucket) -> None:
+        """Copy one bucket into the model's parameters."""
+        await asyncio.to_thread(self._load_bucket, bucket)
+
+    async def finish_weight_update(self) -> None:
+        """Check every weight arrived, re-tie a tied head, release the model."""
+        try:
+            targets, loaded = self._incoming
+            tied = set(getattr(self.model, "_tied_weights_keys", None) or {})
+            missing = sorted(set(targets) - loaded - tied)
+            if missing:
+                raise ValueError(f"weight update left {len(missing)} weights out, e.g. {missing[:5]}")
+            self.model.tie_weights()
+        finally:
+            self._incoming = None
+            self._model_lock.release()
+
     async def reset_prefix_cache(self) -> None:
         """Nothing to do: this backend keeps no KV cache between requests."""
 
@@ -169,6 +194,16 @@ class HFEngine:
         """Nothing to stop (kept for parity with the vLLM backend)."""
 
     # ---------------------------------------------------------------- internals
+
+    @torch.no_grad()
+    def _load_bucket(self, bucket: WeightBucket) -> None:
+        targets, loaded = self._incoming
+        for name, tensor in bucket.tensors():
+            target = targets.get(name)
+            if target is None:
+                raise ValueError(f"weight {name!r} is not in the engine's model ({type(self.model).__name__})")
+            target.copy_(tensor)
+            loaded.add(name)
 
     def _load_state(self, state: dict[str, torch.Tensor]) -> None:
         with self._model_lock:

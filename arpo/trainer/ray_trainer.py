@@ -206,26 +206,27 @@ class RayARPOTrainer:
         return metrics
 
     def push_weights(self) -> dict[str, float]:
-        """Actor weights → every replica (+ a prefix-cache reset in update_weights): rank 0's full state dict stays
-        in Ray's object store, and each engine actor fetches it to its own node (an engine in this process gets
-        the tensors); nothing goes through a file the trainer writes, so replicas on other nodes get it too.
+        """Actor weights → every replica, streamed in buckets of
+        ``actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes`` in the engines' dtype
+        (:mod:`arpo.trainer.weight_sync`): each bucket goes through Ray's object store, where every engine actor
+        fetches it to its own node (an engine in this process gets the tensors); no file, and never the whole
+        model in one object. Each engine pauses for the whole update and resets its prefix cache after it.
 
         Returns ``rollout/weight_sync_probe``: the first replica's mean log-prob of its top-5 next tokens on a fixed
         probe prompt after the reload — it moves with every update, so a flat curve means the engine is not
         receiving the weights; with several replicas also ``rollout/weight_sync_replica_gap``, the largest
         difference of the others' probes from the first's (0 up to kernel rounding when all got the weights)."""
+        import asyncio
+
         from arpo.engine.base import SamplingParams
+        from arpo.engine.config import bucket_bytes_from_cfg
+        from arpo.trainer.weight_sync import stream_weights
 
-        import ray
-
-        from arpo.engine.ray_engine import RayEngineClient
-
-        ref = self.actor_wg.engine_weights()
-        local = None if all(isinstance(e, RayEngineClient) for e in self.engines) else ray.get(ref)
         if self.free_cache_engine:  # awake before the reload: sleep level 2 discarded the weights
             _run_all(e.wake_up() for e in self.engines)
-        _run_all(e.update_weights(ref if isinstance(e, RayEngineClient) else local) for e in self.engines)
-        del ref, local  # the object store frees the weights once no reference is left
+        sync = asyncio.run(stream_weights(self.actor_wg, self.engines, bucket_bytes_from_cfg(self.cfg)))
+        logger.info("weights pushed to %d engine(s): %d buckets, %.1f MB each engine, %s, %.2f s",
+                    len(self.engines), sync["buckets"], sync["bytes"] / 1e6, sync["dtype"], sync["seconds"])
         probe = list(self.train_data.dataset[0]["raw_prompt_ids"])
         params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
         outs = _run_all(e.generate(probe, params, f"weight-sync-probe-{self.global_step}-{r}")

@@ -225,6 +225,10 @@ class WorkerGroup:
     def load_checkpoint(self, actor_dir: str) -> None:
         self.execute_all("load_checkpoint", actor_dir)
 
+    def plan_weight_sync(self, engine_dtype: str, bucket_bytes: int) -> list[int]:
+        """Plan the buckets of a weight sync on every rank (:mod:`arpo.trainer.weight_sync`); their sizes."""
+        return self.execute_all("plan_weight_sync", engine_dtype, bucket_bytes)[0]
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return self.execute_all("full_parameters")[0]
 
@@ -267,6 +271,8 @@ class RayWorkerGroup(WorkerGroup):
         nodes = (rank_nodes(nnodes, self.world_size // nnodes, num_cpus, num_gpus)
                  if world_size is None and placement is None else None)
         self.workers = []
+        #: the non-zero ranks' results of the weight sync's gathers, checked when it ends
+        self._sync_refs: list[Any] = []
         for rank in range(self.world_size):
             options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "runtime_env": {"env_vars": env},
                                        "scheduling_strategy": node_strategy(nodes[rank] if nodes else None)}
@@ -295,15 +301,20 @@ class RayWorkerGroup(WorkerGroup):
             raise ValueError(f"{len(shares)} shares for {self.world_size} ranks")
         return ray.get([getattr(w, method).remote(s, *args, **kwargs) for w, s in zip(self.workers, shares)])
 
-    def engine_weights(self) -> Any:
-        """Rank 0's full state dict for the engines, as a ``ray.ObjectRef`` left in the object store: an engine
-        actor given the reference fetches it to its own node (the driver never holds the model)."""
+    def weight_bucket(self, index: int) -> Any:
+        """Bucket ``index`` of the weight sync (collective; :meth:`ActorWorker.weight_bucket`), as the
+        ``ray.ObjectRef`` of rank 0's result, left in the object store: an engine actor given the reference fetches
+        it to its own node (the driver never holds it). Returns once the gather is under way."""
+        refs = [w.weight_bucket.remote(index) for w in self.workers]
+        self._sync_refs.extend(refs[1:])
+        return refs[0]
+
+    def end_weight_sync(self) -> None:
         import ray
 
-        refs = [w.engine_weights.remote() for w in self.workers]
-        ray.get(refs[1:])  # the other ranks' part of the gather is done (they return None)
-        ray.wait(refs[:1], fetch_local=False)
-        return refs[0]
+        refs, self._sync_refs = self._sync_refs, []
+        ray.get(refs)  # the other ranks' part of every gather is done (they return None), or its error raised
+        self.execute_all("end_weight_sync")
 
     def shutdown(self) -> None:
         """Leave the process group and end the actors."""
@@ -343,9 +354,12 @@ class LocalWorkerGroup(WorkerGroup):
             raise ValueError(f"{len(shares)} shares for 1 rank")
         return [getattr(self.worker, method)(shares[0], *args, **kwargs)]
 
-    def engine_weights(self) -> dict[str, Any]:
-        """The full state dict for the engines (as :meth:`ActorWorker.engine_weights` packs it)."""
-        return self.worker.engine_weights()
+    def weight_bucket(self, index: int) -> Any:
+        """Bucket ``index`` of the weight sync, in a buffer of its own (an engine in this process may keep views)."""
+        return self.worker.weight_bucket(index, fresh=True)
+
+    def end_weight_sync(self) -> None:
+        self.worker.end_weight_sync()
 
     def shutdown(self) -> None:
         """Leave the process group (this process can then start another)."""

@@ -6,22 +6,23 @@ import os
 from pathlib import Path
 
 import pytest
-import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from arpo.engine.config import EngineConfig
+from arpo.engine.config import EngineConfig, bucket_bytes_from_cfg
 from arpo.engine.vllm_env import DEFAULT_CPU_KVCACHE_SPACE_GB, configure_vllm_env
-from arpo.engine.weights import for_transport, load_weights_from_dir, save_weights_for_engine, state_dict_of
+from arpo.engine.weights import (WeightBucket, load_weights_from_dir, plan_buckets, save_weights_for_engine,
+                                 state_dict_buckets, state_dict_of)
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_yaml_documents_every_field_and_loads(tmp_path):
     yaml = OmegaConf.load(REPO / "configs" / "rollout" / "engine.yaml")
-    rollout_keys = set(yaml.actor_rollout_ref.rollout)
-    fields = set(EngineConfig.__dataclass_fields__) - {"model_path"}
+    rollout_keys = set(yaml.actor_rollout_ref.rollout) - {"checkpoint_engine"}
+    fields = set(EngineConfig.__dataclass_fields__) - {"model_path", "update_weights_bucket_megabytes"}
     assert rollout_keys == fields
+    assert set(yaml.actor_rollout_ref.rollout.checkpoint_engine) == {"update_weights_bucket_megabytes"}
     yaml.actor_rollout_ref.model = {"path": str(tmp_path)}
     cfg = EngineConfig.from_cfg(yaml)
     assert (cfg.model_path, cfg.name, cfg.dtype) == (str(tmp_path), "vllm", "auto")
@@ -38,6 +39,25 @@ def test_yaml_documents_every_field_and_loads(tmp_path):
 def test_bad_values_name_the_key(tmp_path, key, value, needle):
     with pytest.raises(ValueError, match=needle):
         EngineConfig.from_mapping({"model_path": str(tmp_path), key: value})
+
+
+def test_weight_sync_bucket_key_is_read_from_verls_section_and_checked(tmp_path):
+    root = {"actor_rollout_ref": {"model": {"path": str(tmp_path)},
+                                  "rollout": {"checkpoint_engine": {"update_weights_bucket_megabytes": 64}}}}
+    cfg = EngineConfig.from_cfg(root)
+    assert cfg.update_weights_bucket_megabytes == 64 and cfg.update_weights_bucket_bytes == 64 * 1024 * 1024
+    assert bucket_bytes_from_cfg(root) == 64 * 1024 * 1024
+    assert bucket_bytes_from_cfg({"actor_rollout_ref": {"rollout": {}}}) == 512 * 1024 * 1024  # verl's default
+    key = "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes"
+    for bad in (0, -5, 1.5, "512", True):
+        root["actor_rollout_ref"]["rollout"]["checkpoint_engine"]["update_weights_bucket_megabytes"] = bad
+        with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+            EngineConfig.from_cfg(root)
+        with pytest.raises(ValueError, match="update_weights_bucket_megabytes"):
+            bucket_bytes_from_cfg(root)
+    root["actor_rollout_ref"]["rollout"]["checkpoint_engine"] = {"update_weights_bucket_mb": 64}
+    with pytest.raises(ValueError, match="checkpoint_engine: unknown key"):
+        EngineConfig.from_cfg(root)
 
 
 def test_missing_model_path_and_unknown_keys(tmp_path):
@@ -113,14 +133,31 @@ def test_weights_dirs_of_dead_processes_are_removed_when_a_new_one_is_made(tmp_p
     assert mine.parent == tmp_path and mine.name.startswith(f"arpo_engine_weights_pid{os.getpid()}_")
 
 
-def test_state_dicts_transported_arrays_and_directories_are_all_engine_weights(tmp_path):
-    state = {"model.norm.weight": torch.ones(4), "model.embed_tokens.weight": torch.randn(3, 2).bfloat16()}
-    sent = for_transport(state)  # numpy arrays (Ray moves them out of band); bfloat16 as its exact float32
-    assert sent["model.embed_tokens.weight"].dtype == np.float32
-    for weights in (state, sent, save_weights_for_engine(state, tmp_path)):
-        got = state_dict_of(weights)
-        assert set(got) == set(state)
-        assert all(torch.equal(got[k].to(v.dtype), v) for k, v in state.items())
+def test_buckets_carry_every_dtype_and_shape_exactly_through_numpy(tmp_path):
+    """Tensors back to back in one byte buffer (bf16 included, which numpy lacks): views of it give them back bit
+    for bit, also from the read-only numpy array Ray's object store hands out; a tied head is sent once."""
+    emb = torch.randn(5, 3)
+    state = {"model.embed_tokens.weight": emb, "lm_head.weight": emb, "model.norm.weight": torch.randn(3),
+             "model.position_ids": torch.arange(7), "model.empty": torch.zeros(0, 3), "model.scale": torch.tensor(2.5)}
+    for dtype in (torch.float32, torch.bfloat16):
+        buckets = list(state_dict_buckets(state, dtype, bucket_bytes=40))
+        got = {}
+        for bucket in buckets:
+            assert all(e.offset % 64 == 0 for e in bucket.entries)
+            shipped = WeightBucket(bucket.entries, bucket.data.numpy().copy())
+            shipped.data.flags.writeable = False
+            got.update(shipped.tensors())
+        assert list(got) == [k for k in state if k != "lm_head.weight"]
+        for name, t in got.items():
+            want = state[name].to(dtype) if state[name].is_floating_point() else state[name]
+            assert t.dtype == want.dtype and t.shape == want.shape and torch.equal(t, want)
+        # each tensor starts a 64-byte slot, so with 40-byte buckets only the empty tensor and the scalar share one
+        assert [[e.name for e in b.entries] for b in buckets][-1] == ["model.empty", "model.scale"]
+        assert len(buckets) == 4
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        plan_buckets([("w", (2,), torch.float32)], 0)
+    directory = save_weights_for_engine(state, tmp_path)
+    assert set(state_dict_of(str(directory))) == set(got)
 
 
 def test_eager_logprob_rank_replaces_the_compiled_helper_with_an_equal_count():

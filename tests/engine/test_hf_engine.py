@@ -144,3 +144,43 @@ def test_update_weights_changes_outputs(run, tiny_model_dir, taught_model_dir, t
     run(engine.update_weights(str(tmp_path)))
     after = run(engine.generate(ids, sp, "after"))
     assert after.text == LESSONS[prompt] and after.stop_reason == "</search>"
+
+
+def test_bucketed_update_waits_for_the_batch_and_loads_every_weight(run, tiny_model_dir, taught_model_dir):
+    """The trainer's path into the HF engine: small buckets in its dtype; generation waits for the whole update; a
+    bucket naming a weight the model lacks, or an update that leaves one out, is an error."""
+    import asyncio
+
+    from transformers import AutoModelForCausalLM
+
+    from arpo.engine.weights import state_dict_buckets
+
+    engine = HFEngine({"model_path": tiny_model_dir, "name": "hf", "dtype": REFERENCE_DTYPE})
+    prompt = next(iter(LESSONS))
+    ids = encode(tiny_model_dir, prompt)
+    sp = SamplingParams(temperature=0, max_tokens=40, stop=STOPS)
+    taught = AutoModelForCausalLM.from_pretrained(taught_model_dir, dtype=torch.float32).state_dict()
+
+    async def update_while_generating():
+        dtype = getattr(torch, await engine.begin_weight_update())
+        waiting = asyncio.ensure_future(engine.generate(ids, sp, "during"))
+        buckets = list(state_dict_buckets(taught, dtype, 32 * 1024))
+        for bucket in buckets:
+            await engine.load_weight_bucket(bucket)
+            await asyncio.sleep(0)
+            assert not waiting.done()  # no forward on half-loaded weights
+        await engine.finish_weight_update()
+        return len(buckets), await waiting
+
+    n_buckets, during = run(update_while_generating())
+    assert n_buckets > 3
+    assert during.text == LESSONS[prompt] and during.stop_reason == "</search>"  # generated with the new weights
+    assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight
+
+    bad = next(state_dict_buckets({"model.no_such.weight": torch.ones(2)}, torch.float32, 1024))
+    run(engine.begin_weight_update())
+    with pytest.raises(ValueError, match="model.no_such.weight"):
+        run(engine.load_weight_bucket(bad))
+    with pytest.raises(ValueError, match="left .* weights out"):
+        run(engine.finish_weight_update())
+    assert run(engine.generate(ids, sp, "after")).text == LESSONS[prompt]  # the model was released

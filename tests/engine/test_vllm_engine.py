@@ -16,7 +16,7 @@ from vllm.platforms import current_platform  # noqa: E402
 from arpo.engine.base import GenerationEngine, SamplingParams  # noqa: E402
 from arpo.engine.hf_engine import HFEngine  # noqa: E402
 from arpo.engine.vllm_engine import VLLMEngine  # noqa: E402
-from arpo.engine.weights import default_weights_dir, save_weights_for_engine  # noqa: E402
+from arpo.engine.weights import default_weights_dir, save_weights_for_engine, state_dict_buckets  # noqa: E402
 from arpo.protocol import stop_strings  # noqa: E402
 from tests.engine.helpers import LESSONS, REFERENCE_DTYPE, encode, reference_logprobs  # noqa: E402
 
@@ -182,16 +182,52 @@ def test_update_weights_and_prefix_cache_reset(run, engine, tiny_model_dir, taug
     assert max_logprob_error(fresh, ref_taught) < LOGPROB_ATOL
 
 
-def test_in_flight_requests_survive_update(run, engine, taught_model_dir, tmp_path):
+def test_bucketed_update_loads_the_new_weights(run, engine, tiny_model_dir, taught_model_dir):
+    """The trainer's path: buckets far smaller than a layer (so layers span buckets and many buckets hold pieces of
+    several layers), loaded through the layerwise reload; the engine's log-probs are then those of the new weights,
+    tied head included, and a whole state dict through update_weights goes the same way."""
     from transformers import AutoModelForCausalLM
 
-    weights = save_weights_for_engine(AutoModelForCausalLM.from_pretrained(taught_model_dir), tmp_path)
+    ids = encode(taught_model_dir, "the river city " * 60)[:300]
+    sp = SamplingParams(temperature=0, max_tokens=12, logprobs=3)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert base.config.tie_word_embeddings
+
+    async def push(state, bucket_bytes: int) -> list[int]:
+        dtype = getattr(torch, await engine.begin_weight_update())
+        sizes = []
+        try:
+            for bucket in state_dict_buckets(state, dtype, bucket_bytes):
+                await engine.load_weight_bucket(bucket)
+                sizes.append(bucket.nbytes)
+        finally:
+            await engine.finish_weight_update()
+        return sizes
+
+    sizes = run(push(base.state_dict(), 64 * 1024))
+    assert len(sizes) > 5 and max(sizes) > 64 * 1024  # the embedding alone is over a bucket
+    base_out = run(engine.generate(ids, sp, "bucketed-base"))
+    assert max_logprob_error(base_out, reference_logprobs(tiny_model_dir, ids, base_out.token_ids)) < LOGPROB_ATOL
+
+    run(engine.update_weights(AutoModelForCausalLM.from_pretrained(taught_model_dir, dtype=torch.float32).state_dict()))
+    taught_out = run(engine.generate(ids, sp, "bucketed-taught"))
+    assert taught_out.token_ids != base_out.token_ids
+    assert max_logprob_error(taught_out, reference_logprobs(taught_model_dir, ids, taught_out.token_ids)) \
+        < LOGPROB_ATOL
+
+
+@pytest.mark.parametrize("form", ["directory", "buckets"])
+def test_in_flight_requests_survive_update(run, engine, taught_model_dir, tmp_path, form):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(taught_model_dir, dtype=torch.float32)
+    weights = str(save_weights_for_engine(model, tmp_path)) if form == "directory" else model.state_dict()
 
     async def scenario():
         long = asyncio.ensure_future(engine.generate([11, 12, 13], SamplingParams(
             temperature=1.0, max_tokens=300, seed=0, stop_token_ids=()), "long"))
         await asyncio.sleep(0.2)
-        await engine.update_weights(str(weights))
+        await engine.update_weights(weights)
         return await long
 
     out = run(scenario())

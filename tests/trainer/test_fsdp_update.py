@@ -50,16 +50,9 @@ def test_two_rank_update_equals_one_process(small_model, ray_cluster, checkpoint
                 group.update_policy(without_old)
         metrics = group.update_policy(train)
         params, grads = group.full_parameters(), group.full_gradients()
-        # the engines' state dict: DCP's, and the kept host buffers CUDA fills (here unpinned), equal exactly
-        dcp = group.execute_all("state_dict_for_engine")
-        kept = group.execute_all("host_state_dict", False)
-        again = group.execute_all("host_state_dict", False)
     finally:
         group.shutdown()
 
-    assert dcp[1] is None and kept[1] is None
-    assert list(kept[0]) == list(dcp[0])
-    assert all(torch.equal(kept[0][k], dcp[0][k]) and torch.equal(again[0][k], dcp[0][k]) for k in dcp[0])
     ref_params, ref_grads, ref_metrics = reference_update(small_model, train, cfg)
     assert max_abs_diff(grads, ref_grads) < 1e-6
     assert max_abs_diff(params, ref_params) < 1e-6

@@ -86,3 +86,19 @@ def test_allocator_env_adds_huge_pages_and_keeps_a_users_tunables():
     assert allocator_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == {
         "GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"}
     assert allocator_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
+
+
+def test_release_memory_empties_the_cuda_cache_only_where_cuda_was_initialised(monkeypatch):
+    import torch
+
+    from arpo.trainer.memory import empty_cuda_cache
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
+    if not torch.cuda.is_initialized():  # a CPU process: nothing to free, and CUDA is never initialised for it
+        assert empty_cuda_cache() is False and calls == []
+        release_memory()
+        assert calls == [] and not torch.cuda.is_initialized()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # as after a GPU phase
+    release_memory()
+    assert calls == [1]
