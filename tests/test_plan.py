@@ -93,7 +93,10 @@ def test_paper_run_fits_eight_80gb_gpus(capsys):
     m = plan.shapes
     assert e.kv_bytes_per_token == 2 * m.layers * m.kv_heads * m.head_dim * 2  # K and V, bf16
     assert e.sequences == int(e.kv_cache // e.kv_bytes_per_token) // 5632 >= 1
-    assert plan.settings.replicas == 8 or plan.settings.replicas == 1  # num_replicas: null (per GPU) or the old 1
+    # num_replicas null: one replica per tensor-parallel group of training GPUs; without GPUs one
+    per_gpu = build_plan(paper_cfg("actor_rollout_ref.rollout.num_replicas=null"), 80 * GIB)
+    assert per_gpu.settings.replicas == 8 and dict(per_gpu.host)["8 engine process(es)"] > 0
+    assert build_plan(paper_cfg("actor_rollout_ref.rollout.num_replicas=null"), None).settings.replicas == 1
 
 
 def test_paper_run_at_util_09_with_a_reference_on_the_training_gpus_stops_with_one_line():

@@ -192,7 +192,7 @@ def training_gpu_table(m: ModelShapes, s: PlanSettings, gpu_bytes: float, with_e
     t.add(f"log-prob head ({s.logprob_chunk} x {m.vocab} fp32 chunks)",
           {p: head_chunk_bytes(m, s, HEAD_BUFFERS_TRAIN if p == "actor update" else HEAD_BUFFERS_FORWARD)
            for p in ("old log-probs", "ref log-probs", "actor update") if p in phases})
-    if with_engine:
+    if with_engine or not s.hybrid:  # rank 0 gathers and sends the buckets whether or not a replica shares its GPU
         t.add("weight sync: 2 buckets + 1 whole fp32 parameter",
               {"weight sync": 2 * sync_bucket_bytes(m, s) + m.largest_param_numel * 4})
     return t
