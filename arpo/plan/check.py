@@ -64,7 +64,8 @@ def fixes(cfg: DictConfig, plan: MemoryPlan, host_limit: float | None = None) ->
                        ("logprob_micro_batch", f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu"),
                        ("ref_micro_batch", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu")):
         current = getattr(s, field)
-        value = _largest_fitting(m, s, g, host_limit, field, list(range(current - 1, 0, -1)))
+        halves = sorted({current // 2**k for k in range(1, current.bit_length())} - {0}, reverse=True)
+        value = _largest_fitting(m, s, g, host_limit, field, halves)  # halving keeps it a divisor of the batch
         if value is not None:
             out.append(f"{key}={value}")
     if not s.gradient_checkpointing and _fits(m, s.with_changes(gradient_checkpointing=True), g, host_limit):
@@ -146,7 +147,8 @@ def format_plan(plan: MemoryPlan) -> str:
     e = plan.engine
     if e is not None:
         lines += ["", f"vLLM replica per GPU: budget {e.budget / GIB:.2f} GiB = weights {e.weights / GIB:.2f} + "
-                      f"profile activations {e.activations / GIB:.2f} + non-torch {e.non_torch / GIB:.2f} + KV cache "
+                      f"profile activations {e.activations / GIB:.2f} + non-torch {e.non_torch / GIB:.2f} + CUDA graphs "
+                      f"{e.cuda_graphs / GIB:.2f} + KV cache "
                       f"{e.kv_cache / GIB:.2f} GiB = {e.kv_tokens:,} tokens ({e.kv_bytes_per_token / 1024:.0f} KiB "
                       f"a token) = {e.sequences} sequences of max_model_len {e.max_model_len}"]
     width = max(len(name) for name, _ in plan.host) + 2

@@ -17,7 +17,7 @@ hidden, KV and MLP widths, L layers, V vocabulary, T tokens of a micro-batch = r
 * a forward without gradients (old/reference log-probs): T(2rh + 3bi) live at once, three (chunk, V) buffers.
 * vLLM: its budget is gpu_memory_utilization x GPU memory; inside it the weights (P·b_engine / tensor parallel),
   the profile run's activations (max_num_batched_tokens·b(2i/tp + 4h) + a max_num_seqs x V fp32 logits pair),
-  its process's non-torch memory, and the KV cache gets the rest (2·L·h_kv·b_engine/tp bytes a token).
+  its process's non-torch memory, CUDA graphs when captured, and the KV cache gets the rest (2·L·h_kv·b_engine/tp bytes a token).
 * weight sync: rank 0 and each engine hold about two buckets of the engine dtype at a time, a bucket being
   ``update_weights_bucket_megabytes`` or the largest parameter when that is bigger (it travels alone); rank 0's GPU
   also gathers one parameter whole in fp32. Buckets pass through Ray's object store, which must hold two.
@@ -37,6 +37,9 @@ CUDA_CONTEXT_BYTES = 1 * GIB
 #: host RSS of a process before its model: Python, torch, Ray worker (GPU: + the CUDA libraries mapped in)
 PROCESS_HOST_BYTES = {True: int(2.5 * GIB), False: 1 * GIB}
 ENGINE_HOST_BYTES = {True: 4 * GIB, False: int(1.5 * GIB)}
+#: vLLM's captured CUDA graphs (enforce_eager off), counted inside its budget since vLLM 0.21; vLLM logs the size
+#: after capture ("Graph capturing finished ... took X GiB"), typically under 1 GiB for a 7B model
+CUDA_GRAPHS_BYTES = 1 * GIB
 #: logits-sized fp32 buffers the chunked log-prob head holds at once, with and without a backward
 HEAD_BUFFERS_TRAIN, HEAD_BUFFERS_FORWARD = 4, 3
 
@@ -49,12 +52,13 @@ class EngineBudget:
     weights: float
     activations: float
     non_torch: float
+    cuda_graphs: float
     kv_bytes_per_token: float
     max_model_len: int
 
     @property
     def kv_cache(self) -> float:
-        return self.budget - self.weights - self.activations - self.non_torch
+        return self.budget - self.weights - self.activations - self.non_torch - self.cuda_graphs
 
     @property
     def kv_tokens(self) -> int:
@@ -146,6 +150,7 @@ def engine_budget(m: ModelShapes, s: PlanSettings, gpu_bytes: float) -> EngineBu
                    + 2 * s.max_num_seqs * m.vocab * 4)
     return EngineBudget(budget=s.gpu_memory_utilization * gpu_bytes, weights=m.numel * b / tp,
                         activations=activations, non_torch=CUDA_CONTEXT_BYTES,
+                        cuda_graphs=CUDA_GRAPHS_BYTES if s.cuda_graphs else 0.0,
                         kv_bytes_per_token=m.kv_bytes_per_token(b) / tp,
                         max_model_len=s.max_model_len or m.max_position)
 

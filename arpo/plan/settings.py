@@ -60,6 +60,7 @@ class PlanSettings:
     reference: bool
     critic: bool
     free_cache_engine: bool
+    cuda_graphs: bool  # vLLM captures CUDA graphs (enforce_eager false, or null on a GPU)
     sleep_level: int
     gpu_memory_utilization: float
     max_model_len: int | None  # None: the model's max_position_embeddings
@@ -83,6 +84,7 @@ class PlanSettings:
 
     @classmethod
     def from_config(cls, cfg: DictConfig, gpu: bool) -> "PlanSettings":
+        from arpo.engine.config import resolve_enforce_eager
         from arpo.main_arpo import needs_reference
         from arpo.trainer.actor_config import uses_critic
 
@@ -120,6 +122,7 @@ class PlanSettings:
             tree_packing=tree == "true" or (tree == "auto" and not gpu),
             reference=needs_reference(cfg), critic=uses_critic(cfg),
             free_cache_engine=bool(hybrid and gpu) if free_cache is None else bool(free_cache),
+            cuda_graphs=gpu and not resolve_enforce_eager(_get(cfg, f"{r}.enforce_eager"), "cuda"),
             sleep_level=int(_get(cfg, f"{r}.sleep_level", 1)),
             gpu_memory_utilization=float(_get(cfg, f"{r}.gpu_memory_utilization", 0.5)),
             max_model_len=None if model_len is None else int(model_len),
