@@ -99,6 +99,14 @@ def test_paper_run_fits_eight_80gb_gpus(capsys):
     assert build_plan(paper_cfg("actor_rollout_ref.rollout.num_replicas=null"), None).settings.replicas == 1
 
 
+def test_help_prints_usage_and_exits_0(capsys):
+    from arpo.plan.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and "--gpu-memory-gb" in capsys.readouterr().out
+
+
 def test_paper_run_at_util_09_with_a_reference_on_the_training_gpus_stops_with_one_line():
     from arpo.config import cli_main
     from arpo.plan.__main__ import main
@@ -165,8 +173,9 @@ def test_cpu_plan_blocks_only_a_clearly_oversized_run(tmp_path, monkeypatch):
     assert plan.engine is None and not plan.gpu_tables
     assert plan.host_bytes > 16 * model_shapes(str(QWEN7B)).numel  # AdamW states + fp32 weights of 7.6B params
     monkeypatch.setattr("arpo.plan.check._physical_ram", lambda: 24 * GIB)
-    with pytest.raises(ConfigError, match="host RAM"):
+    with pytest.raises(ConfigError, match="host RAM") as e:
         check_config(load_config("arpo_trainer", [f"actor_rollout_ref.model.path={QWEN7B}"]))
+    assert "\n" not in str(e.value) and "gpu_memory_utilization" not in str(e.value)  # no GPU advice on a CPU
 
 
 def test_cost_model_scales_with_its_stated_rates():

@@ -76,9 +76,14 @@ def fixes(cfg: DictConfig, plan: MemoryPlan, host_limit: float | None = None) ->
 def failure_line(cfg: DictConfig, plan: MemoryPlan, host_limit: float | None = None) -> str:
     """One line: what does not fit and the keys to change."""
     found = fixes(cfg, plan, host_limit)
-    todo = (f"set one of {', '.join(found)}" if found else
-            f"lower {ROLLOUT}.gpu_memory_utilization, data.max_response_length or the micro-batch sizes, or add "
-            f"GPUs (trainer.n_gpus_per_node / trainer.nnodes)")
+    if found:
+        todo = f"set one of {', '.join(found)}"
+    elif plan.gpu_bytes is None:  # a CPU run: every rank and engine shares this machine's RAM
+        todo = ("lower actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, data.max_response_length or "
+                "trainer.n_gpus_per_node (ranks on this machine), or train a smaller model")
+    else:
+        todo = (f"lower {ROLLOUT}.gpu_memory_utilization, data.max_response_length or the micro-batch sizes, or add "
+                f"GPUs (trainer.n_gpus_per_node / trainer.nnodes)")
     return f"the run does not fit ({'; '.join(plan.problems)}): {todo} (`python -m arpo.plan` prints the plan)"
 
 
