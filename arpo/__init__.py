@@ -1,0 +1,18 @@
+"""ARPO: agentic reinforced policy optimization for tool-calling LLM agents.
+
+Importing the package sets the OpenMP environment of every arpo process (:data:`THREAD_ENV`), before torch
+loads OpenMP, which reads it once: entry points (``python -m arpo.pipeline``, ``arpo.sft``, ``arpo.main_arpo``)
+import ``arpo`` first, and Ray workers and engine cores get it from the job's runtime env
+(:func:`arpo.ray_utils.init_ray`). A value already exported wins.
+"""
+
+import os
+
+#: ``OMP_WAIT_POLICY=PASSIVE``: an OpenMP thread waiting for the others at the end of a parallel region sleeps
+#: instead of spinning. Spinning is faster on an idle machine, but beside another busy process it takes the core
+#: the straggling thread needs: a 2-thread SmolLM2 step then ran 3.4x slower instead of the fair 2x
+#: (experiments/results/contention/).
+THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+for _key, _value in THREAD_ENV.items():
+    os.environ.setdefault(_key, _value)

@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from arpo import THREAD_ENV
+
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -72,6 +74,8 @@ def init_ray(cfg: Any = None) -> None:
     # cluster every node holds the checkout at the same path (docs/scaling/index.md).
     python_path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     runtime_env["env_vars"]["PYTHONPATH"] = python_path
+    # Read by OpenMP when torch loads in a worker (training ranks, engine actors and their engine cores).
+    runtime_env["env_vars"].update({key: os.environ[key] for key in THREAD_ENV if key in os.environ})
     if address:
         # A cluster on this machine's loopback (a head started with --node-ip-address=127.0.0.1): the driver must
         # say it is on that node too, or Ray looks for a raylet at the machine's routable address.

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from arpo.machine import describe_machine, machine_info
@@ -52,3 +53,35 @@ def test_rl_summary_records_the_trainers_resolved_dtype_and_rank_threads():
     info = run_machine(load_config("arpo_trainer", ["actor_rollout_ref.model.dtype=float32"]), {"torch_threads": 1})
     assert info["dtypes"] == {"trainer": "float32"} and info["trainer_rank_threads"] == 1
     assert info["cpu_model"] == machine_info()["cpu_model"]
+
+
+def _wait_policy_after_import(env: dict) -> str:
+    import subprocess
+    import sys
+
+    code = "import arpo, os, torch; torch.ones(2).sum(); print(os.environ.get('OMP_WAIT_POLICY'))"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_arpo_processes_wait_passively_in_openmp_unless_the_user_exported_a_policy():
+    import os
+
+    from arpo import THREAD_ENV
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    assert _wait_policy_after_import(env) == THREAD_ENV["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert _wait_policy_after_import({**env, "OMP_WAIT_POLICY": "ACTIVE"}) == "ACTIVE"
+
+
+@pytest.mark.slow
+def test_ray_workers_start_with_the_thread_env():
+    import os
+
+    import ray
+
+    from arpo.ray_utils import init_ray
+
+    init_ray({"num_cpus": 4, "object_store_memory": 100 * 1024 * 1024})
+    worker_env = ray.get(ray.remote(num_cpus=1)(lambda: os.environ.get("OMP_WAIT_POLICY")).remote())
+    assert worker_env == os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
