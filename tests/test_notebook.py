@@ -46,7 +46,7 @@ def test_notebook_draws_every_figure_from_the_committed_smollm2_ablation(monkeyp
     nb = _execute(REPO_ROOT / "experiments" / "results" / "smollm2_advantage", monkeypatch)
     cells = _outputs(nb)
     assert not any(o.output_type == "error" for outputs in cells for o in outputs)
-    setup, curves, table, entropy, branching, soft_hard = cells[1:]
+    setup, curves, table, entropy, branching, soft_hard, premise = cells[1:]
     assert "variants ['arpo_hard', 'arpo_soft', 'grpo'], seeds [0, 1, 2]" in _text(setup)
     assert _images(curves) == 1
     assert any("Val reward" in o.get("data", {}).get("text/markdown", "") for o in table)
@@ -54,6 +54,9 @@ def test_notebook_draws_every_figure_from_the_committed_smollm2_ablation(monkeyp
     assert _images(branching) == 1
     assert _images(soft_hard) == 2  # curves, entropy overlay
     assert any("welch_p" in o.get("data", {}).get("text/html", "") for o in soft_hard)
+    # the committed premise study: one figure per probe and the premise table
+    assert _images(premise) == len(list((REPO_ROOT / "experiments" / "results" / "premise").glob("*.json")))
+    assert any("after - before" in o.get("data", {}).get("text/html", "") for o in premise)
 
 
 @pytest.mark.slow
@@ -61,8 +64,9 @@ def test_notebook_reads_the_smoke_ablations_fresh_results(smoke_ablation, monkey
     nb = _execute(smoke_ablation["out"], monkeypatch)
     cells = _outputs(nb)
     assert not any(o.output_type == "error" for outputs in cells for o in outputs)
-    setup, curves, table, entropy, branching, soft_hard = cells[1:]
+    setup, curves, table, entropy, branching, soft_hard, premise = cells[1:]
     assert "variants ['arpo_hard', 'grpo'], seeds [3]" in _text(setup)
+    assert _images(premise) >= 1  # the probe on the fresh rollout dumps
     assert _images(curves) == 1 and _images(entropy) == 1 and _images(branching) == 1
     assert any("Val reward" in o.get("data", {}).get("text/markdown", "") for o in table)
     # the smoke trains grpo and arpo_hard only: the soft-vs-hard cell says what it needs instead of failing

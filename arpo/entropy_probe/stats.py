@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
+from matplotlib.figure import Figure
 from scipy import stats
 
 from arpo.entropy_probe.scoring import Scores
@@ -185,8 +186,9 @@ def summarise(measured: Sequence[Measured], window: int, vocab_size: int | None,
             "trajectories": len(measured), "model_tokens": int(sum(len(m.values["topk"]) for m in measured))}
 
 
-def plot(summary: dict[str, Any], title: str, path: str) -> None:
-    """One panel per measure: entropy against the offset, a line per tool and control with its 95% band."""
+def plot(summary: dict[str, Any], title: str, path: str | None = None) -> Figure:
+    """One panel per measure: entropy against the offset, a line per tool and control with its 95% band; saved to
+    ``path`` when given."""
     from arpo.analysis import new_axes
 
     measures = list(summary["curves"])
@@ -206,4 +208,6 @@ def plot(summary: dict[str, Any], title: str, path: str) -> None:
         ax.set_ylabel(f"{'top-k' if name == 'topk' else 'full-vocabulary'} entropy / log|V|")
         ax.set_title(f"{title}: {name}", fontsize="medium")
         ax.legend(fontsize="small")
-    axes[0].figure.savefig(path, dpi=100)
+    if path is not None:
+        axes[0].figure.savefig(path, dpi=100)
+    return axes[0].figure
