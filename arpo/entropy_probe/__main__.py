@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         args.after, args.seed, args.batch_tokens, args.max_length, args.resamples)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
-    summary["model"] = args.model
+    summary["model"] = Path(args.model).name if args.model else None  # the folder's name: no local path recorded
     summary["sources"] = [str(p) for p in args.trajectories]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
