@@ -42,7 +42,7 @@ STAGE_KEYS = {
     "base_model": {"base_model"},
     "sft": {"synthetic", "sft", "tools"},
     "arpo_trainer": {"synthetic", "data", "tools", "actor_rollout_ref", "algorithm", "trainer", "reward",
-                     "custom_reward_function", "ray_init", "agent_loop"},
+                     "custom_reward_function", "ray_init", "critic", "preset"},
 }
 
 
@@ -83,9 +83,22 @@ def stage_paths(root: Path, preset: Preset) -> dict[str, Path]:
             "sft_model": root / "models" / f"{preset.model_name}-sft", "rl": root / "rl"}
 
 
+def top_level_key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0].split(".", 1)[0]
+
+
 def overrides_for_stage(stage: str, overrides: list[str]) -> list[str]:
     """The overrides whose top-level key belongs to ``stage``'s config."""
-    return [o for o in overrides if o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] in STAGE_KEYS[stage]]
+    return [o for o in overrides if top_level_key(o) in STAGE_KEYS[stage]]
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """An override no stage reads would be dropped without a word: stop on it instead."""
+    known = set().union(*STAGE_KEYS.values())
+    unknown = [o for o in overrides if top_level_key(o) not in known]
+    if unknown:
+        raise ConfigError(f"override {unknown[0]!r} names no section any pipeline stage reads: use one of "
+                         f"{', '.join(sorted(known))} (see python -m arpo.pipeline --help)")
 
 
 class Pipeline:
@@ -95,6 +108,7 @@ class Pipeline:
                  force: bool = False):
         preset = preset if isinstance(preset, Preset) else Preset.load(preset)
         self.overrides = list(preset.overrides) + list(overrides or [])
+        check_overrides(self.overrides)
         # base_model.source=... on the command line swaps the preset's base model (the last one wins).
         sources = [o.split("=", 1)[1] for o in self.overrides if o.startswith("base_model.source=")]
         self.preset = replace(preset, base_model=sources[-1]) if sources else preset
@@ -250,6 +264,10 @@ def main() -> None:
                         help=f"show vLLM / Ray / worker logs live (default: only in <output-dir>/logs; same as "
                              f"{ENGINE_LOGS_ENV}=console)")
     args, overrides = parser.parse_known_args()
+    try:
+        check_overrides(overrides)
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}") from None
     if args.show_engine_logs:
         os.environ[ENGINE_LOGS_ENV] = "console"
     # transformers' weight-loading bars (one per load, several per stage) follow huggingface_hub's switch.

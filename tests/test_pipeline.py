@@ -27,6 +27,14 @@ def test_presets_route_overrides_to_their_stages(tmp_path):
     assert tiny.config("synthetic_data").synthetic.mix.chain == 0
 
 
+def test_algorithm_presets_and_critic_keys_reach_the_trainer_and_typos_stop(tmp_path):
+    rl = Pipeline(tmp_path, "smollm2", ["preset=dapo", "critic.optim.lr=3e-6"]).config("arpo_trainer")
+    assert rl.critic.optim.lr == 3e-6
+    assert rl.algorithm.filter_groups.enable                          # what configs/preset/dapo.yaml turns on
+    with pytest.raises(ConfigError, match=r"override 'critc.optim.lr=1' names no section any pipeline stage reads"):
+        Pipeline(tmp_path, "smollm2", ["critc.optim.lr=1"])
+
+
 def test_base_model_source_override_swaps_the_preset_model(tmp_path, tiny_model_dir):
     p = Pipeline(tmp_path, "smollm2", [f"base_model.source={tiny_model_dir}"])
     assert p.base_model_dir == tiny_model_dir
