@@ -34,9 +34,9 @@ MEASURES = ("topk", "full")
 
 @dataclass
 class Event:
-    """One aligned point of one trajectory, in model-token indices: ``at`` (offset 0), ``before_from`` (the
-    first token after which the before-window ends, i.e. the call's first model token), and the bounds set by
-    the neighbouring results."""
+    """One aligned point of one trajectory, in model-token indices: ``at`` (offset 0), ``call_at`` (where the
+    before-window ends: the call's first token; the point itself for a control), and ``[lo, hi)``, the span
+    between the neighbouring results that its curve and windows stay in."""
 
     kind: str  # a tool name, "random" or "think"
     at: int
