@@ -1,17 +1,20 @@
-"""Weight sync into an engine actor: through a file the trainer writes vs through Ray's object store.
+"""Weight sync from the actor's FSDP2 ranks into engine actors, as the trainer does it: time, bytes, memory.
 
-    python experiments/bench_weight_sync.py --model outputs/tiny_arpo/models/tiny-sft
-    python experiments/bench_weight_sync.py --model <smollm2 dir> --engine vllm --repeats 5
+    python experiments/bench_weight_sync.py --model <smollm2 dir> --engine vllm --ranks 2 --repeats 3
+    python experiments/bench_weight_sync.py --model <smollm2 dir> --bucket-megabytes 64
 
-One JSON object on stdout (logs on stderr). Each repeat scales the weights a little (the engine must really take
-new ones) and pushes them both ways into the same engine actor (a Ray actor, as in training):
+One JSON object on stdout (logs on stderr): the command, the git SHA of the code measured, and per push (median of
+``--repeats``) the wall seconds, the bytes each engine received and their dtype, and the peak *extra* host memory
+of the actor's rank 0 and of each engine actor's process tree (engine core included): the peak resident memory
+during the push over that before it (``*_peak_extra_bytes``: VmHWM, which also counts the pages of Ray's object
+store a process touched) and the peak of private memory alone (``*_private_bytes``: RssAnon, sampled every 10 ms).
+Also the weight files engines keep in ``/dev/shm`` and what Ray's object store holds at once. Before each push the actor's weights are scaled
+a little on every rank, and a probe after it shows the engine took them.
 
-* ``file`` (the trainer's path up to git 25151a5): the state dict is written as safetensors to a directory
-  in RAM (``/dev/shm``), and the engine reloads the directory. Only an engine on the writer's node can read it.
-* ``object_store`` (the trainer's path now): the state dict is put in Ray's object store, the engine actor
-  fetches it to its own node and (vLLM) writes it to its own RAM directory for the in-place reload.
-
-Medians of the wall time of each step and of the whole push, and the bytes moved.
+The trainer's path is measured whichever version of the code runs this script: streamed buckets
+(``plan_weight_sync``; ``actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes``) where the
+worker group has them, else the earlier one (rank 0's whole fp32 state dict as one Ray object, which a vLLM engine
+wrote to a safetensors file in ``/dev/shm`` and reloaded).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
+import os
+import shlex
 import statistics
 import sys
 import time
@@ -30,65 +34,175 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 
-async def amain(args: argparse.Namespace) -> dict[str, Any]:
-    import ray
+def _process_tree_kb(pid: int, field: str) -> float:
+    """Sum of ``field`` (VmRSS / VmHWM, kB) over ``pid`` and its descendants."""
+    import psutil
+
+    total = 0.0
+    procs = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
+    for proc in procs:
+        try:
+            for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+                if line.startswith(field + ":"):
+                    total += float(line.split()[1])
+        except OSError:
+            pass
+    return total
+
+
+class PrivateMemorySampler:
+    """Peak over time of the private (anonymous) resident memory of process trees, sampled every 10 ms: VmHWM also
+    counts the pages of Ray's object store a process has touched, which stay mapped after the object is freed."""
+
+    def __init__(self, pids: list[int]):
+        import threading
+
+        self.pids, self.peaks = pids, [0.0] * len(pids)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for i, pid in enumerate(self.pids):
+                self.peaks[i] = max(self.peaks[i], _process_tree_kb(pid, "RssAnon"))
+            self._stop.wait(0.01)
+
+    def __enter__(self) -> "PrivateMemorySampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _reset_peaks(pid: int) -> None:
+    import psutil
+
+    for proc in [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True):
+        try:
+            Path(f"/proc/{proc.pid}/clear_refs").write_text("5")
+        except OSError:
+            pass
+
+
+def _engine_files_bytes() -> int:
+    """Bytes of weight files engines keep in RAM between pushes (the earlier vLLM path wrote one per replica)."""
+    return sum(f.stat().st_size for d in Path("/dev/shm").glob("arpo_engine_weights_pid*") for f in d.rglob("*")
+               if f.is_file())
+
+
+def _scale_weights(worker: Any, factor: float) -> None:
     import torch
-    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        for p in worker.model.parameters():
+            p.mul_(factor)
+
+
+def _pid(actor: Any) -> int:
+    return os.getpid()
+
+
+def _actor_config(model: str, ranks: int) -> dict:
+    return {"trainer": {"device": "cpu", "nnodes": 1, "n_gpus_per_node": ranks, "cpus_per_worker": 1},
+            "data": {"train_batch_size": 2},
+            "actor_rollout_ref": {"model": {"path": model, "dtype": "auto"},
+                                  "actor": {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_gpu": 1,
+                                            "optim": {"lr": 1e-6}},
+                                  "rollout": {"n": 1, "log_prob_micro_batch_size_per_gpu": 1}}}
+
+
+async def _push(group: Any, engines: list, bucket_bytes: int) -> dict[str, Any]:
+    """One push by the code's own path; what it sent."""
+    if hasattr(group, "plan_weight_sync"):
+        from arpo.trainer.weight_sync import stream_weights
+
+        stats = await stream_weights(group, engines, bucket_bytes)
+        return {"path": "buckets", "bytes": stats["bytes"], "dtype": stats["dtype"], "buckets": stats["buckets"],
+                "largest_bucket_bytes": stats["largest_bucket_bytes"]}
+    import numpy as np
+    import ray
+
+    ref = group.engine_weights()
+    await asyncio.gather(*(e.update_weights(ref) for e in engines))
+    state = ray.get(ref)
+    dtypes = sorted({str(v.dtype) for v in state.values() if isinstance(v, np.ndarray)})
+    return {"path": "whole_state_dict", "bytes": int(sum(v.nbytes for v in state.values())),
+            "dtype": ",".join(dtypes), "buckets": 1, "largest_bucket_bytes": int(sum(v.nbytes for v in state.values()))}
+
+
+async def amain(args: argparse.Namespace) -> dict[str, Any]:
+    import dataclasses
+
+    import ray
 
     from arpo.engine.base import SamplingParams
     from arpo.engine.config import EngineConfig
     from arpo.engine.factory import create_engines
-    from arpo.engine.weights import default_weights_dir, for_transport, save_weights_for_engine
     from arpo.ray_utils import init_ray
+    from arpo.trainer.worker_group import RayWorkerGroup
+    from experiments import git_sha
 
-    own_ray = not ray.is_initialized()  # in a test, the module's Ray session is used and left running
-    init_ray({"num_cpus": 2})
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)  # as the trainer sends it: a tied head is the embedding
-    (engine,) = create_engines(EngineConfig(model_path=args.model, name=args.engine, ray_actor=True, max_model_len=512))
+    own_ray = not ray.is_initialized()
+    init_ray({"ray_init": {"num_cpus": args.ranks + args.replicas + 1}})
+    engine_kwargs: dict[str, Any] = dict(model_path=args.model, name=args.engine, ray_actor=True, max_model_len=512,
+                                         num_replicas=args.replicas)
+    if "update_weights_bucket_megabytes" in {f.name for f in dataclasses.fields(EngineConfig)}:
+        engine_kwargs["update_weights_bucket_megabytes"] = args.bucket_megabytes
+    engines = create_engines(EngineConfig(**engine_kwargs))
+    group = RayWorkerGroup(_actor_config(args.model, args.ranks), role="actor")
+    engine_pids = ray.get([e.handle.__ray_call__.remote(_pid) for e in engines])
+    rank0_pid = ray.get(group.workers[0].__ray_call__.remote(_pid))
     probe = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
-    weights_dir = default_weights_dir("bench_weight_sync")
-    steps: dict[str, list[float]] = {k: [] for k in ("file_write_s", "file_reload_s", "file_total_s",
-                                                     "object_store_put_s", "object_store_reload_s",
-                                                     "object_store_total_s")}
+    runs: list[dict[str, Any]] = []
     probes: list[float] = []
     try:
         for r in range(args.repeats):
-            for way in ("file", "object_store"):
-                with torch.no_grad():
-                    for v in state.values():
-                        if v.is_floating_point():
-                            v.mul_(1.0 + 1e-3)
-                t0 = time.perf_counter()
-                if way == "file":
-                    handed: Any = str(save_weights_for_engine(state, weights_dir))
-                else:
-                    handed = ray.put(for_transport(state))
-                t1 = time.perf_counter()
-                await engine.update_weights(handed)
-                t2 = time.perf_counter()
-                first = "file_write_s" if way == "file" else "object_store_put_s"
-                steps[first].append(t1 - t0)
-                steps[f"{way}_reload_s"].append(t2 - t1)
-                steps[f"{way}_total_s"].append(t2 - t0)
-                out = await engine.generate([1, 2, 3, 4], probe, f"probe-{r}-{way}")
-                probes.append(float(statistics.mean(out.logprobs[0].values())))
-                del handed
+            ray.get([w.__ray_call__.remote(_scale_weights, 1.0 + 1e-3) for w in group.workers])
+            pids = [rank0_pid, *engine_pids]
+            rss_before = [_process_tree_kb(pid, "VmRSS") for pid in pids]
+            private_before = [_process_tree_kb(pid, "RssAnon") for pid in pids]
+            for pid in pids:
+                _reset_peaks(pid)
+            t0 = time.perf_counter()
+            with PrivateMemorySampler(pids) as private:
+                sent = await _push(group, engines, args.bucket_megabytes * 1024 * 1024)
+            seconds = time.perf_counter() - t0
+            rss = [(_process_tree_kb(pid, "VmHWM") - b) * 1024 for pid, b in zip(pids, rss_before)]
+            anon = [(p - b) * 1024 for p, b in zip(private.peaks, private_before)]
+            runs.append({**sent, "seconds": seconds,
+                         "rank0_peak_extra_bytes": int(rss[0]), "rank0_peak_extra_private_bytes": int(anon[0]),
+                         "engine_peak_extra_bytes": int(max(rss[1:])),
+                         "engine_peak_extra_private_bytes": int(max(anon[1:])),
+                         "engine_files_bytes": _engine_files_bytes()})
+            out = await engines[0].generate([1, 2, 3, 4], probe, f"probe-{r}")
+            probes.append(float(statistics.mean(out.logprobs[0].values())))
     finally:
-        engine.kill()
-        shutil.rmtree(weights_dir, ignore_errors=True)
+        group.shutdown()
+        for e in engines:
+            e.kill()
         if own_ray:
             ray.shutdown()
+    last = runs[-1]
     result: dict[str, Any] = {
-        "engine": args.engine, "model": str(args.model), "repeats": args.repeats,
-        "bytes": int(sum(v.numel() * v.element_size() for v in state.values())),
+        "command": "python " + " ".join(shlex.quote(a) for a in [f"experiments/{Path(__file__).name}",
+                                                                  *sys.argv[1:]]),
+        "git_sha": git_sha(), "engine": args.engine, "model": Path(args.model).name, "actor_ranks": args.ranks,
+        "replicas": args.replicas, "repeats": args.repeats, "path": last["path"], "dtype": last["dtype"],
+        "bucket_megabytes": args.bucket_megabytes if last["path"] == "buckets" else None,
+        "buckets": last["buckets"], "bytes_per_engine": last["bytes"],
+        "largest_bucket_bytes": last["largest_bucket_bytes"],
+        "bytes_moved": last["bytes"] * args.replicas,
+        # what the object store holds at once: the whole state dict, or a bucket loading and the next being gathered
+        "object_store_bound_bytes": last["bytes"] if last["path"] != "buckets" else 2 * last["largest_bucket_bytes"],
         # every push changed the engine's outputs: it took the new weights each time
         "probes_all_differ": all(a != b for a, b in zip(probes, probes[1:])),
     }
-    result.update({k: round(statistics.median(v), 4) for k, v in steps.items()})
-    result["object_store_over_file"] = round(result["object_store_total_s"] / result["file_total_s"], 3)
+    for key in ("seconds", "rank0_peak_extra_bytes", "rank0_peak_extra_private_bytes", "engine_peak_extra_bytes",
+                "engine_peak_extra_private_bytes", "engine_files_bytes"):
+        result[key] = statistics.median(run[key] for run in runs)
+        result[f"{key}_all"] = [run[key] for run in runs]
     return result
 
 
@@ -96,7 +210,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="HF checkpoint directory")
     ap.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--ranks", type=int, default=2, help="the actor's FSDP2 ranks")
+    ap.add_argument("--replicas", type=int, default=1, help="engine replicas (each a Ray actor)")
+    ap.add_argument("--bucket-megabytes", type=int, default=512,
+                    help="actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes")
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     from arpo.logging_utils import json_stdout, setup_logging
 

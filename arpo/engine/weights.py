@@ -149,6 +149,15 @@ def pack_bucket(entries: Sequence[BucketEntry], tensors: Iterable[torch.Tensor],
     return bucket
 
 
+def split_bucket(bucket: WeightBucket, max_bytes: int) -> Iterator[WeightBucket]:
+    """``bucket`` as consecutive smaller buckets of whole tensors, at most ``max_bytes`` each (a bigger tensor
+    alone), sharing its buffer (no copy)."""
+    flat = bucket.buffer()
+    for entries in plan_buckets(((e.name, e.shape, _dtype(e.dtype)) for e in bucket.entries), max_bytes):
+        start = next(e.offset for e in bucket.entries if e.name == entries[0].name)
+        yield WeightBucket(tuple(entries), flat[start:start + bucket_size(entries)])
+
+
 def state_dict_buckets(state: Mapping[str, torch.Tensor], engine_dtype: torch.dtype,
                        bucket_bytes: int) -> Iterator[WeightBucket]:
     """A whole state dict as buckets in ``engine_dtype`` (``update_weights`` of a state dict); tensors that share

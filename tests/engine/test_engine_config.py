@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from arpo.engine.config import EngineConfig, bucket_bytes_from_cfg
 from arpo.engine.vllm_env import DEFAULT_CPU_KVCACHE_SPACE_GB, configure_vllm_env
 from arpo.engine.weights import (WeightBucket, load_weights_from_dir, plan_buckets, save_weights_for_engine,
-                                 state_dict_buckets, state_dict_of)
+                                 split_bucket, state_dict_buckets, state_dict_of)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -156,6 +156,14 @@ def test_buckets_carry_every_dtype_and_shape_exactly_through_numpy(tmp_path):
         assert len(buckets) == 4
     with pytest.raises(ValueError, match="bucket_bytes"):
         plan_buckets([("w", (2,), torch.float32)], 0)
+    # one bucket cut into messages of whole tensors for vLLM's engine core: views of the same buffer, same tensors
+    (whole,) = state_dict_buckets(state, torch.float32, bucket_bytes=1 << 20)
+    parts = list(split_bucket(whole, 100))
+    assert [[e.name for e in p.entries] for p in parts] == [["model.embed_tokens.weight", "model.norm.weight"],
+                                                           ["model.position_ids", "model.empty", "model.scale"]]
+    assert all(p.buffer().data_ptr() >= whole.buffer().data_ptr() for p in parts)
+    split = dict(t for p in parts for t in p.tensors())
+    assert list(split) == list(dict(whole.tensors())) and all(torch.equal(split[k], v) for k, v in whole.tensors())
     directory = save_weights_for_engine(state, tmp_path)
     assert set(state_dict_of(str(directory))) == set(got)
 

@@ -182,11 +182,16 @@ def test_update_weights_and_prefix_cache_reset(run, engine, tiny_model_dir, taug
     assert max_logprob_error(fresh, ref_taught) < LOGPROB_ATOL
 
 
-def test_bucketed_update_loads_the_new_weights(run, engine, tiny_model_dir, taught_model_dir):
+def test_bucketed_update_loads_the_new_weights(run, engine, tiny_model_dir, taught_model_dir, monkeypatch):
     """The trainer's path: buckets far smaller than a layer (so layers span buckets and many buckets hold pieces of
-    several layers), loaded through the layerwise reload; the engine's log-probs are then those of the new weights,
-    tied head included, and a whole state dict through update_weights goes the same way."""
+    several layers), each sent to the engine core in several messages, loaded through the layerwise reload; the
+    engine's log-probs are then those of the new weights, tied head included, and a whole state dict through
+    update_weights goes the same way."""
     from transformers import AutoModelForCausalLM
+
+    import arpo.engine.vllm_engine as vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "MESSAGE_BYTES", 16 * 1024)
 
     ids = encode(taught_model_dir, "the river city " * 60)[:300]
     sp = SamplingParams(temperature=0, max_tokens=12, logprobs=3)
