@@ -171,3 +171,16 @@ def test_bench_trainer_numerics(tiny_model_dir):
                        "--trees", dump, "--cpus", 2)
     assert result["bench"] == "trainer_numerics" and result["rows"] == 4 and result["model"] == str(tiny_model_dir)
     assert 0 < result["packed_tokens"] < result["total_tokens"]
+
+
+def test_gpu_check_scale_smoke(tmp_path):
+    """The prepared GPU check (experiments/gpu_check.sh) on CPU at small widths: Qwen2.5-7B's layout cut to two
+    layers, one bench step through rank-0 loading and the bucketed weight sync, and the planner's table for the same
+    keys; on a GPU the same JSON carries measured peaks beside the planned ones."""
+    result = run_bench("gpu_check_scale.py", "--device", "cpu", "--smoke", "--out", tmp_path / "check.json")
+    assert json.loads((tmp_path / "check.json").read_text()) == result
+    assert result["layers"] == 2 and result["plan"]["num_params"] > 0
+    assert all(v is not None and v > 0 for v in result["seconds"].values())
+    assert all(math.isfinite(v) for v in result["last_update"].values())
+    planned = result["peak_gpu_vs_plan"]
+    assert planned["update_policy"]["planned_gib"] > 0 and planned["load"]["planned_gib"] is None
