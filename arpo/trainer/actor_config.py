@@ -241,6 +241,12 @@ def validate_actor_config(cfg: Any) -> None:
     train_bs = _positive_int(cfg, "data.train_batch_size", 1)
     _positive_int(cfg, "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", 8)
     _positive_int(cfg, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", 8)
+    for section, flag, budget in (("actor", "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
+                                  ("rollout", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu"),
+                                  ("ref", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu")):
+        if not isinstance(cfg_get(cfg, f"actor_rollout_ref.{section}.{flag}", False), bool):
+            raise ConfigError(f"actor_rollout_ref.{section}.{flag} must be true or false")
+        _positive_int(cfg, f"actor_rollout_ref.{section}.{budget}", 16384)
     if (train_bs * n) % ws:
         raise ConfigError(f"data.train_batch_size * rollout.n = {train_bs} * {n} = {train_bs * n} trajectories "
                           f"do not split over {ws} training ranks (trainer.nnodes * trainer.n_gpus_per_node); "

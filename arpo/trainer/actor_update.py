@@ -108,6 +108,7 @@ def ppo_update(worker: "ActorWorker", batch: DataBatch) -> dict[str, float]:
     entropy_coeff = float(p.entropy_coeff)
     kl_coef, kl_type = float(p.kl_loss_coef), p.kl_loss_type
     micro_size = int(p.ppo_micro_batch_size_per_gpu)
+    max_tokens = int(p.ppo_max_token_len_per_gpu) if p.use_dynamic_bsz else None  # packed by tokens instead
     scale_factor = p.loss_scale_factor if p.loss_scale_factor is not None else batch.meta.get("max_response_length")
     grad_clip = float(p.grad_clip)
     has_rollout = "rollout_log_probs" in batch.tensors
@@ -139,7 +140,7 @@ def ppo_update(worker: "ActorWorker", batch: DataBatch) -> dict[str, float]:
             #  then with rollout log-probs: k1 KL·tok, k3 KL·tok, probs diff·tok, IS weight·tok]
             local = torch.zeros(10, dtype=torch.float64)
             local_max = [0.0, 0.0]
-            micros = worker.micro_batches(mb, micro_size)
+            micros = worker.micro_batches(mb, micro_size, max_tokens)
             for i in range(worker.micro_batch_count(micros)):
                 if i >= len(micros):  # this rank has fewer trees than another: join its collectives
                     lp, _ = worker.forward(worker.dummy_micro_batch(mb), temperature, False)

@@ -26,6 +26,7 @@ from arpo.engine.weights import (BucketEntry, WeightBucket, bucket_size, pack_bu
                                  transfer_dtype)
 from arpo.trainer.actor_update import METRIC_KEYS, full_tensor, micro_batch_order, ppo_update, split_rows
 from arpo.trainer.device import cpu_has_native_bf16, device_settings_from_config
+from arpo.trainer.dynamic_batching import pack_by_tokens, row_tokens
 from arpo.trainer.logprobs import compute_logprobs_and_entropy
 from arpo.trainer.memory import configure_allocator, memory_stats, release_memory
 from arpo.trainer.model_init import materialize_from_rank0, shard_model
@@ -228,24 +229,32 @@ class ActorWorker:
     def packs_trees(self, batch: DataBatch) -> bool:
         return self.tree_packing and "tree_id" in batch.tensors
 
-    def micro_batches(self, batch: DataBatch, micro_size: int) -> list[torch.Tensor]:
+    def micro_batches(self, batch: DataBatch, micro_size: int, max_tokens: int | None = None) -> list[torch.Tensor]:
         """Row indices of each micro-batch: one tree each when packing trees (pad rows left out; a tree over
         MAX_PACKED_TOKENS in runs of ``micro_size`` rows; one-row trees, which share nothing, together in runs of
-        ``micro_size`` rows after the trees), else ``micro_size`` rows (of similar length in the fast layout)."""
+        ``micro_size`` rows after the trees), else ``micro_size`` rows (of similar length in the fast layout).
+        ``max_tokens`` (dynamic batch size): rows packed up to that many padded tokens instead of ``micro_size``
+        rows (:mod:`arpo.trainer.dynamic_batching`); a tree stays whole up to min(MAX_PACKED_TOKENS, max_tokens)
+        packed tokens, a bigger one and the one-row trees are packed by the budget."""
+        def runs(rows: torch.Tensor) -> list[torch.Tensor]:
+            if max_tokens is not None:
+                return pack_by_tokens(rows, row_tokens(batch["attention_mask"][rows]), max_tokens)
+            return [rows[sl] for sl in split_rows(len(rows), micro_size)]
+
         if self.packs_trees(batch):
+            cap = MAX_PACKED_TOKENS if max_tokens is None else min(MAX_PACKED_TOKENS, max_tokens)
             trees = tree_micro_batches(batch)
-            micros = [rows[sl] for rows in trees if len(rows) > 1
-                      for sl in ([slice(None)] if unique_token_count(batch, rows.tolist()) <= MAX_PACKED_TOKENS
-                                 else split_rows(len(rows), micro_size))]
+            micros = [m for rows in trees if len(rows) > 1
+                      for m in ([rows] if unique_token_count(batch, rows.tolist()) <= cap else runs(rows))]
             # one forward per lone row would leave a GPU idle; their micro-batch runs padded (pack_micro_batch
             # declines rows with different prompts)
             lone = torch.cat([rows for rows in trees if len(rows) == 1] or [torch.zeros(0, dtype=torch.long)])
             if self.settings.fast_layout:
                 lone = lone[micro_batch_order(batch["attention_mask"][lone])]
-            return micros + [lone[sl] for sl in split_rows(len(lone), micro_size)]
+            return micros + runs(lone)
         order = (micro_batch_order(batch["attention_mask"]) if self.settings.fast_layout
                  else torch.arange(len(batch)))
-        return [order[sl] for sl in split_rows(len(batch), micro_size)]
+        return runs(order)
 
     def micro_batch_count(self, micros: list[torch.Tensor]) -> int:
         """The most micro-batches any rank has: every forward and backward is a collective (FSDP2 gathers and
@@ -295,13 +304,14 @@ class ActorWorker:
         if calc_entropy is None:
             calc_entropy = self.role == "actor"
         micro = self.cfg.log_prob_micro_batch_size
+        max_tokens = self.cfg.log_prob_max_token_len if self.cfg.log_prob_use_dynamic_bsz else None
         temperature = self.temperature(batch)
         was_training = self.model.training
         self.model.eval()
         width = batch["responses"].shape[1]
         logps = torch.zeros(len(batch), width)
         ents = torch.zeros(len(batch), width) if calc_entropy else None
-        micros = self.micro_batches(batch, micro)
+        micros = self.micro_batches(batch, micro, max_tokens)
         with torch.no_grad():
             for i in range(self.micro_batch_count(micros)):
                 if i >= len(micros):

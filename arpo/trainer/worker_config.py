@@ -79,6 +79,8 @@ class PolicyLossConfig(UpdateConfig):
     logprob_chunk_size: int = DEFAULT_CHUNK_SIZE
     rollout_is: str | None = None           # algorithm.rollout_correction.rollout_is
     rollout_is_threshold: float = 2.0
+    use_dynamic_bsz: bool = False           # micro-batches by token budget (dynamic_batching.py), not row count
+    ppo_max_token_len_per_gpu: int = 16384
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,8 @@ class WorkerConfig:
     value: ValueLossConfig
     mini_batch_rows: int            # rows of one optimizer step over all ranks (mini-batch size x rollout.n)
     log_prob_micro_batch_size: int  # rows per forward of the log-prob pass (the rollout's or the ref's key)
+    log_prob_use_dynamic_bsz: bool  # the log-prob pass packs rows up to log_prob_max_token_len tokens instead
+    log_prob_max_token_len: int     # log_prob_max_token_len_per_gpu (the rollout's or the ref's key)
     temperature: float              # the rollout's sampling temperature, which the log-probs are taken at
     total_training_steps: int
     device: str                     # trainer.device: auto | cpu | cuda
@@ -129,6 +133,10 @@ class WorkerConfig:
             mini_batch_rows=int(cfg_get(cfg, mini_key, 1)) * rollout_n(cfg),
             log_prob_micro_batch_size=int(cfg_get(
                 cfg, f"actor_rollout_ref.{log_prob_key}.log_prob_micro_batch_size_per_gpu", 8)),
+            log_prob_use_dynamic_bsz=bool(cfg_get(
+                cfg, f"actor_rollout_ref.{log_prob_key}.log_prob_use_dynamic_bsz", False)),
+            log_prob_max_token_len=int(cfg_get(
+                cfg, f"actor_rollout_ref.{log_prob_key}.log_prob_max_token_len_per_gpu", 16384)),
             temperature=rollout_temperature(cfg),
             total_training_steps=int(cfg_get(cfg, "trainer.total_training_steps", -1) or -1),
             device=str(cfg_get(cfg, "trainer.device", "auto")),
