@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # config.py imports this module's constants
     from arpo.rollout.config import ARPORolloutConfig
 
+#: the built-in policies (``arpo.rollout.policies.POLICY_REGISTRY`` holds these and any registered later)
 POLICIES = ("arpo", "aepo", "tree_grpo")
 RULES = ("code", "paper")
 TIMINGS = ("code", "paper")

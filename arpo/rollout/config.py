@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from arpo.rollout.branch_slots import GRANTS
-from arpo.rollout.branching import INITIAL_ENTROPY_SCOPES, POLICIES, REDUCTIONS, RULES, TIMINGS
+from arpo.rollout.branching import INITIAL_ENTROPY_SCOPES, REDUCTIONS, RULES, TIMINGS
 
 CONFIG_PREFIX = "actor_rollout_ref.rollout.arpo"
 MODES = ("arpo", "single")
@@ -234,7 +234,9 @@ class ARPORolloutConfig:
     def validate(self) -> "ARPORolloutConfig":
         need = _Checker(CONFIG_PREFIX)
         need(self.mode in MODES, "mode", self.mode, f"use one of {MODES}")
-        need(self.policy in POLICIES, "policy", self.policy, f"use one of {POLICIES}")
+        from arpo.rollout.policies import get_policy_class  # policies.py imports this module
+
+        get_policy_class(self.policy)  # a registered name or an importable "module:ClassName", else one error line
         need(_int(self.n, 1), "n", self.n, "the per-prompt budget M must be an integer >= 1")
         need(_int(self.initial_rollouts, 1), "initial_rollouts", self.initial_rollouts, "use an integer >= 1")
         need(self.mode == "single" or self.initial_rollouts <= self.n, "initial_rollouts", self.initial_rollouts,

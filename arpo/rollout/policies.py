@@ -11,20 +11,60 @@ trainer work unchanged. Chosen by ``actor_rollout_ref.rollout.arpo.policy`` (``m
 * :class:`Aepo` — AEPO (arXiv 2510.14545): ARPO's rule damped after consecutive forks (in the rule), and
   optionally its entropy pre-monitoring, which sets N per group from a probe trajectory.
 * :class:`TreeGrpo` — Tree-GRPO (arXiv 2509.21240): N trees grown by continuing sampled nodes; no entropy.
+
+A new policy is a subclass registered by name with :func:`register_policy` (as advantage estimators are with
+``register_adv_est``), or named in the config as ``"module:ClassName"`` without registering
+(``examples/margin_policy.py`` is a worked example).
 """
 
 from __future__ import annotations
 
+import importlib
 import random
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from arpo.rollout.branch import Branch, Phase
 from arpo.rollout.branch_slots import canonical
 from arpo.rollout.branching import aepo_initial_rollouts, derive_seed
-from arpo.rollout.config import ARPORolloutConfig
+from arpo.rollout.config import CONFIG_PREFIX, ARPORolloutConfig
 
 if TYPE_CHECKING:
     from arpo.rollout.tree import RolloutTree
+
+#: ``actor_rollout_ref.rollout.arpo.policy`` name -> policy class (filled by :func:`register_policy`)
+POLICY_REGISTRY: dict[str, type["Sampling"]] = {}
+
+
+def register_policy(name: str) -> Callable[[type["Sampling"]], type["Sampling"]]:
+    """Class decorator registering a rollout policy under ``actor_rollout_ref.rollout.arpo.policy: name``."""
+
+    def decorator(cls: type[Sampling]) -> type[Sampling]:
+        if name in POLICY_REGISTRY and POLICY_REGISTRY[name] is not cls:
+            raise ValueError(f"rollout policy {name!r} is already registered")
+        POLICY_REGISTRY[name] = cls
+        return cls
+
+    return decorator
+
+
+def get_policy_class(name: str) -> type["Sampling"]:
+    """The class ``name`` selects: a registered name, or ``"module:ClassName"`` imported (a subclass of
+    :class:`Sampling`). Anything else is one error line naming the field and the registered names."""
+    field = f"{CONFIG_PREFIX}.policy={name!r}"
+    if name in POLICY_REGISTRY:
+        return POLICY_REGISTRY[name]
+    if not isinstance(name, str) or ":" not in name:
+        raise ValueError(f"{field}: use one of {tuple(POLICY_REGISTRY)} or 'module:ClassName' "
+                         f"(a subclass of arpo.rollout.policies.Sampling)")
+    module, _, attr = name.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{field}: cannot import it ({e}); give 'module:ClassName' of an importable class, "
+                         f"or one of {tuple(POLICY_REGISTRY)}") from e
+    if not (isinstance(cls, type) and issubclass(cls, Sampling)):
+        raise ValueError(f"{field}: {attr} is not a subclass of arpo.rollout.policies.Sampling")
+    return cls
 
 
 class Sampling:
@@ -44,7 +84,14 @@ class Sampling:
     def top_up(self, tree: "RolloutTree", g: int) -> None:
         """Called whenever a trajectory of the group has moved: start what the group needs next."""
 
+    def window_uncertainty(self, tree: "RolloutTree", step_logprobs: list[dict[int, float]]) -> float:
+        """The uncertainty of a window's top-k logprobs that branching decisions compare (ΔH = now − initial):
+        the normalised window entropy. A policy may measure something else; it must stay within
+        ``[0, tree.lookahead.h_max]``, the range the fork look-ahead assumes."""
+        return tree.lookahead.window_entropy(step_logprobs)
 
+
+@register_policy("arpo")
 class Arpo(Sampling):
     """ARPO: N roots; forks come from the tree's branching decisions; fills give short groups their M.
 
@@ -99,6 +146,7 @@ class Arpo(Sampling):
         tree.m.count["fill_predicted"] += plan.predict
 
 
+@register_policy("aepo")
 class Aepo(Arpo):
     """AEPO: ARPO whose rule is damped after consecutive forks (:func:`arpo.rollout.branching.aepo_damping`)
     and, with ``aepo.pre_monitoring``, entropy pre-monitoring: a probe trajectory per group (tools included,
@@ -133,6 +181,7 @@ class Aepo(Arpo):
         return n
 
 
+@register_policy("tree_grpo")
 class TreeGrpo(Sampling):
     """Tree-GRPO (arXiv 2509.21240; released code AMAP-ML/Tree-GRPO, ``tree_node.get_expand_node``): N trees;
     once every chain of a tree has finished, pick ``tree_grpo.expansions`` nodes of it uniformly with replacement
@@ -168,4 +217,4 @@ def make_policy(cfg: ARPORolloutConfig) -> Sampling:
     """The policy of ``cfg`` (``mode: single`` is plain sampling whatever ``policy`` says)."""
     if cfg.mode == "single":
         return Sampling(cfg)
-    return {"arpo": Arpo, "aepo": Aepo, "tree_grpo": TreeGrpo}[cfg.policy](cfg)
+    return get_policy_class(cfg.policy)(cfg)

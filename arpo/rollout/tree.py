@@ -123,7 +123,7 @@ class RolloutTree:
         if b.kind == "monitor":
             self.m.count["tokens_monitor"] += len(ids)
         if first_piece and lps:
-            h = self.lookahead.window_entropy(lps)
+            h = self.policy.window_uncertainty(self, lps)
             if root_start:
                 self.h0.root_measured(b, h)
                 b.samples["entropy_initial"].append(h)
@@ -188,7 +188,7 @@ class RolloutTree:
             text, error, tool = result.text, not result.ok, call.tool
             b.tally["tool_errors"] += int(error)
         cfg = self.cfg
-        h_before = self.lookahead.window_entropy(b.seg_logprobs) if b.seg_logprobs else None
+        h_before = self.policy.window_uncertainty(self, b.seg_logprobs) if b.seg_logprobs else None
         if h_before is not None:
             b.samples["entropy_before_tool"].append(h_before)
         ids = self.tok.encode(format_tool_result(text), add_special_tokens=False)
@@ -226,7 +226,7 @@ class RolloutTree:
         b.phase = Phase.GENERATE
         if not b.seg_logprobs or b.h_initial is None:
             return
-        self._branch(b, self.lookahead.window_entropy(b.seg_logprobs) - b.h_initial, b.branch_point,
+        self._branch(b, self.policy.window_uncertainty(self, b.seg_logprobs) - b.h_initial, b.branch_point,
                      b.tool_calls[-1])
 
     def _branch(self, b: Branch, delta_h: float, pos: int, record: dict[str, Any]) -> None:
