@@ -15,8 +15,9 @@ gaia, hle, webwalker, xbench, simpleqa, ``searchR1_*``
 ``synthetic/*``                                              ``synthetic``
 ==========================================================  ======================================
 
-Register more with :func:`register` (``register("mybench", "my_pkg.rewards:score")`` or a function), or
-bypass the registry with ``custom_reward_function.path``/``.name`` exactly as in verl. Entries are
+The one obvious way to use your own reward is verl's ``custom_reward_function.path``/``.name`` (a function in a
+file, called for every row; ``examples/length_penalty_reward.py``). To route only some data sources to it, register
+it instead: ``@register("mybench")`` on the function (or ``register("mybench", "my_pkg.rewards:score")``). Entries are
 stored as ``"module:function"`` strings or module-level functions so a snapshot of the registry
 pickles into reward worker processes.
 """
@@ -123,10 +124,24 @@ def builtin_registry() -> RewardRegistry:
 REGISTRY = builtin_registry()
 
 
-def register(data_source: str, fn: str | RewardFn, *, prefix: bool = False, family: str = "custom",
-             **kwargs: Any) -> None:
-    """Add a route to the process-wide registry (see :meth:`RewardRegistry.register`)."""
+def register(data_source: str, fn: str | RewardFn | None = None, *, prefix: bool = False, family: str = "custom",
+             **kwargs: Any) -> Any:
+    """Add a route to the process-wide registry (see :meth:`RewardRegistry.register`). Without ``fn`` it is a
+    decorator for a module-level function (module-level so it pickles into reward workers)::
+
+        @register("mybench", prefix=True)
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs): ...
+
+    The module must be imported before training starts (e.g. by your launcher); a file used only once is
+    simpler as ``custom_reward_function.path``/``.name`` (``examples/length_penalty_reward.py``)."""
+    if fn is None:
+        def decorator(f: RewardFn) -> RewardFn:
+            REGISTRY.register(data_source, f, prefix=prefix, family=family, **kwargs)
+            return f
+
+        return decorator
     REGISTRY.register(data_source, fn, prefix=prefix, family=family, **kwargs)
+    return fn
 
 
 def default_compute_score(data_source: str, solution_str: str, ground_truth: Any,
