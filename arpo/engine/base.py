@@ -94,4 +94,7 @@ class GenerationEngine(Protocol):
 
     async def sleep(self) -> None: ...
 
-    async def wake_up(self) -> None: ...
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Give back what :meth:`sleep` freed: ``tags`` ``["weights"]`` or ``["kv_cache"]`` one part (vLLM's
+        tags), None both. A weight push wakes the weights first and the KV cache after it, so the GPU never holds
+        the cache beside the gathered buckets."""

@@ -184,7 +184,7 @@ class HFEngine:
     async def sleep(self) -> None:
         """No-op: the HF backend keeps its weights in place."""
 
-    async def wake_up(self) -> None:
+    async def wake_up(self, tags: list[str] | None = None) -> None:
         """No-op (see :meth:`sleep`)."""
 
     def get_startup_seconds(self) -> float:

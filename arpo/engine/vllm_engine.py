@@ -243,9 +243,9 @@ class VLLMEngine:
         if self._sleep_enabled:
             await self._llm.sleep(level=self.config.sleep_level)
 
-    async def wake_up(self) -> None:
+    async def wake_up(self, tags: list[str] | None = None) -> None:
         if self._sleep_enabled:
-            await self._llm.wake_up()
+            await self._llm.wake_up(tags=tags)
 
     def get_startup_seconds(self) -> float:
         """Start-up time (a method so it can be read through a Ray actor handle)."""

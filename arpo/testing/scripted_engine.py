@@ -191,6 +191,8 @@ class ScriptedEngine:
         self.block_size = block_size
         self.weight_version = 0
         self.asleep = False
+        #: what a partial wake-up (vLLM's tags) gave back; asleep until both parts are awake
+        self.awake_parts = {"weights", "kv_cache"}
         self.requests: list[RequestRecord] = []
         self.in_flight = 0
         self.max_in_flight = 0
@@ -247,9 +249,11 @@ class ScriptedEngine:
 
     async def sleep(self) -> None:
         self.asleep = True
+        self.awake_parts = set()
 
-    async def wake_up(self) -> None:
-        self.asleep = False
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        self.awake_parts |= set(tags or ("weights", "kv_cache"))
+        self.asleep = not {"weights", "kv_cache"} <= self.awake_parts
 
     # ---- statistics -----------------------------------------------------------------------------------
     def prefix_cache_hit_rate(self) -> float:

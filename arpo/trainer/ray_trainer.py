@@ -222,9 +222,13 @@ class RayARPOTrainer:
         from arpo.engine.config import bucket_bytes_from_cfg
         from arpo.trainer.weight_sync import stream_weights
 
-        if self.free_cache_engine:  # awake before the reload: sleep level 2 discarded the weights
-            _run_all(e.wake_up() for e in self.engines)
+        # Weights awake before the reload (sleep level 2 discarded them), the KV cache only after it: the push's
+        # buckets and the cache never share the GPU (verl's order).
+        if self.free_cache_engine:
+            _run_all(e.wake_up(["weights"]) for e in self.engines)
         sync = asyncio.run(stream_weights(self.actor_wg, self.engines, bucket_bytes_from_cfg(self.cfg)))
+        if self.free_cache_engine:
+            _run_all(e.wake_up(["kv_cache"]) for e in self.engines)
         logger.info("weights pushed to %d engine(s): %d buckets, %.1f MB each engine, %s, %.2f s",
                     len(self.engines), sync["buckets"], sync["bytes"] / 1e6, sync["dtype"], sync["seconds"])
         probe = list(self.train_data.dataset[0]["raw_prompt_ids"])

@@ -67,10 +67,12 @@ def test_train_step_sleeps_every_replica_and_wakes_it_before_the_weights(tiny_mo
     assert "rollout/weight_sync_probe" in metrics
     for engine in engines:
         calls = engine.calls
-        assert calls.count("sleep") == 1 and calls.count("wake_up") == 1, calls
-        asleep, awake = calls.index("sleep"), calls.index("wake_up")
+        assert calls.count("sleep") == 1 and calls.count("wake_up") == 2, calls
+        asleep = calls.index("sleep")
+        wake_weights, wake_cache = [i for i, c in enumerate(calls) if c == "wake_up"]
         weights = [i for i, c in enumerate(calls) if "weight" in c]
         assert "generate" in calls[:asleep]  # the rollout ran before the sleep
-        assert asleep < awake < weights[0], calls  # no weight reaches a sleeping engine
-        assert calls[asleep + 1:awake] == []  # nothing runs on a sleeping engine
+        assert asleep < wake_weights < weights[0], calls  # no weight reaches a sleeping engine
+        assert weights[-1] < wake_cache < len(calls) - 1, calls  # the KV cache comes back after the push
+        assert calls[asleep + 1:wake_weights] == []  # nothing runs on a sleeping engine
         assert calls[-1] == "generate" and not engine.asleep  # the probe, on the new weights
