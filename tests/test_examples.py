@@ -107,3 +107,33 @@ def test_length_penalty_reward_is_used_in_a_training_step(tiny_model_dir, synthe
     assert metrics["reward/length_penalty/mean"] > 0
     assert metrics["critic/score/mean"] == pytest.approx(
         metrics["reward/base_score/mean"] - metrics["reward/length_penalty/mean"], abs=1e-5)
+
+
+def test_jsonl_dataset_loads_through_the_real_dataset_class(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from arpo.data.rl_dataset import RLDataset, StatefulPromptLoader
+    from reward_fns.registry import default_compute_score
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    ds = RLDataset(["examples/jsonl_dataset/gsm8k.jsonl"], tok, max_prompt_length=512)
+    assert len(ds) == 4
+    first, system, chat = ds[0], ds[2], ds[3]
+    assert first["raw_prompt"] == [{"role": "user", "content": first["extra_info"]["question"]}]
+    assert first["data_source"] == "gsm8k" and first["reward_model"] == {"ground_truth": "72", "style": "rule"}
+    assert first["extra_info"]["question"] in tok.decode(first["raw_prompt_ids"])  # chat-templated and tokenized
+    assert system["raw_prompt"][0]["role"] == "system" and chat["data_source"] == "math"
+    # the mapped row routes to a real reward, and batches come out of the real loader
+    answer = "<think>48 + 24</think>\n<answer>\\boxed{72}</answer>"
+    gt = first["reward_model"]["ground_truth"]
+    assert default_compute_score(first["data_source"], answer, gt, first["extra_info"])["score"] == 1.0
+    assert len(StatefulPromptLoader(ds, batch_size=2).next_batch()) == 2
+
+
+def test_jsonl_row_without_an_answer_is_one_error_naming_the_line(tmp_path):
+    from arpo.data.rl_dataset import jsonl_rows
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "a?", "answer": "1"}\n{"question": "b?"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: no 'answer'"):
+        jsonl_rows(bad)

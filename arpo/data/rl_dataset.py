@@ -1,10 +1,15 @@
-"""RL prompts from verl-format parquet, and a dataloader that resumes at the exact batch it stopped at.
+"""RL prompts from verl-format parquet or plain JSONL, and a dataloader that resumes at the exact batch it stopped at.
 
 Rows (verl's format): ``prompt`` (chat messages), ``data_source``, ``reward_model`` ({ground_truth, style}),
 ``extra_info``, optionally ``ability`` and ``agent_name``. Each prompt is rendered with the tokenizer's chat
 template (generation prompt appended) and tokenized once at load; prompts longer than
 ``data.max_prompt_length`` are dropped (``filter_overlong_prompts``) or truncated / rejected per
 ``data.truncation``.
+
+A ``.jsonl`` file (one JSON object a line) is mapped to these columns by :func:`jsonl_rows`: ``prompt`` (chat
+messages or a string) or ``question`` (a string) becomes the user message (``system``, optional, a system message
+before it), ``answer`` the ``reward_model`` ground truth; ``data_source`` defaults to the file's stem (``gsm8k.jsonl``
+→ ``gsm8k``, which picks the reward); other keys are kept as columns. ``examples/jsonl_dataset/`` is an example.
 
 A batch is a list of row dicts: ``raw_prompt_ids`` (token ids), ``raw_prompt`` (messages), ``index`` (row in
 the filtered dataset) and every other dataset column (``data_source``, ``reward_model``, ``extra_info`` …).
@@ -14,6 +19,7 @@ The order of epoch ``e`` is a permutation seeded by ``(data.seed, e)``, so the l
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -38,8 +44,58 @@ def to_python(value: Any) -> Any:
     return value
 
 
+def jsonl_rows(path: Path, prompt_key: str = "prompt") -> list[dict[str, Any]]:
+    """The rows of a JSONL file in verl's layout (module docstring); a line without a prompt or an answer is one
+    error naming the file, line and the keys it has."""
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                raw = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not JSON ({e.msg}); a .jsonl data file has one object a line") from None
+            if not isinstance(raw, dict):
+                raise ValueError(f"{where}: not a JSON object; a .jsonl data file has one object a line")
+            row = dict(raw)
+            prompt = row.pop(prompt_key, None)
+            question = row.pop("question", None)
+            system = row.pop("system", None)
+            answer = row.pop("answer", None)
+            if prompt is None and question is None:
+                raise ValueError(f"{where}: no {prompt_key!r} (chat messages or text) or 'question' key; keys: "
+                                 f"{sorted(raw)}")
+            if "reward_model" not in row and answer is None:
+                raise ValueError(f"{where}: no 'answer' (or verl's 'reward_model') key; keys: {sorted(raw)}")
+            text = prompt if prompt is not None else question
+            messages = text if isinstance(text, list) else [{"role": "user", "content": str(text)}]
+            if system is not None and not isinstance(text, list):
+                messages = [{"role": "system", "content": str(system)}, *messages]
+            row[prompt_key] = messages
+            row.setdefault("data_source", path.stem)
+            row.setdefault("reward_model", {"ground_truth": answer, "style": "rule"})
+            extra = dict(row.get("extra_info") or {})
+            extra.setdefault("index", len(rows))
+            if question is not None or isinstance(prompt, str):
+                extra.setdefault("question", str(question if question is not None else prompt))
+            row["extra_info"] = extra
+            rows.append(row)
+    return rows
+
+
+def read_data_file(path: Path, prompt_key: str = "prompt") -> Any:
+    """One data file as a DataFrame: verl-format parquet, or JSONL mapped to that layout."""
+    import pandas as pd
+
+    if path.suffix == ".jsonl":
+        return pd.DataFrame(jsonl_rows(path, prompt_key))
+    return pd.read_parquet(path)
+
+
 class RLDataset:
-    """The prompts of one or more parquet files, chat-templated and tokenized (see the module docstring)."""
+    """The prompts of one or more parquet / JSONL files, chat-templated and tokenized (see the module docstring)."""
 
     def __init__(self, files: str | Sequence[str], tokenizer: Any, max_prompt_length: int,
                  prompt_key: str = "prompt", filter_overlong_prompts: bool = True, truncation: str = "error",
@@ -50,12 +106,12 @@ class RLDataset:
             raise ValueError(f"data.truncation={truncation!r} is not valid; choose one of: {', '.join(TRUNCATIONS)}")
         paths = [Path(f) for f in ([files] if isinstance(files, (str, Path)) else files)]
         if not paths:
-            raise ValueError("no data files given: set data.train_files / data.val_files to parquet paths")
+            raise ValueError("no data files given: set data.train_files / data.val_files to parquet or .jsonl paths")
         frames = []
         for p in paths:
             if not p.exists():
                 raise FileNotFoundError(f"data file {p} does not exist: check data.train_files / data.val_files")
-            frames.append(pd.read_parquet(p))
+            frames.append(read_data_file(p, prompt_key))
         df = pd.concat(frames, ignore_index=True)
         if prompt_key not in df.columns:
             raise ValueError(f"{[str(p) for p in paths]} have no column {prompt_key!r} (data.prompt_key); "
@@ -192,7 +248,7 @@ def create_rl_dataloaders(cfg: Any, tokenizer: Any) -> tuple[StatefulPromptLoade
                   apply_chat_template_kwargs=dict(cfg_get(cfg, "data.apply_chat_template_kwargs", {}) or {}))
     train_files = files("data.train_files")
     if not train_files:
-        raise ValueError("data.train_files is not set: give one or more verl-format parquet files")
+        raise ValueError("data.train_files is not set: give one or more verl-format parquet or .jsonl files")
     train = StatefulPromptLoader(RLDataset(train_files, tokenizer, **common),
                                  batch_size=int(cfg_get(cfg, "data.gen_batch_size", None)
                                                 or cfg_get(cfg, "data.train_batch_size", 1)),
