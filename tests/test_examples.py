@@ -137,3 +137,20 @@ def test_jsonl_row_without_an_answer_is_one_error_naming_the_line(tmp_path):
     bad.write_text('{"question": "a?", "answer": "1"}\n{"question": "b?"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: no 'answer'"):
         jsonl_rows(bad)
+
+
+def test_unit_converter_tool_is_called_through_the_tool_registry():
+    import asyncio
+
+    from tools.registry import load_tools
+
+    reg = load_tools("examples/unit_converter_tools.yaml")
+    try:
+        assert reg.tags == ["unit_converter"] and reg.schemas()[0]["function"]["name"] == "convert_units"
+        # the agent loop's path: function name and argument dict; the YAML's config rounds to 3 places
+        assert reg.call("convert_units", {"value": 3, "from_unit": "km", "to_unit": "mi"}) == "3 km = 1.864 mi"
+        assert reg.call("convert_units", {"value": 1, "from_unit": "kg", "to_unit": "s"}).startswith("Error: cannot")
+        # a tag call with text, as the rollout's executor makes it
+        assert asyncio.run(reg.acall("unit_converter", "90 min to h")) == "90 min = 1.5 h"
+    finally:
+        reg.close()
