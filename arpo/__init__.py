@@ -10,7 +10,8 @@ import os
 
 #: ``OMP_WAIT_POLICY=PASSIVE``: an OpenMP thread waiting for the others at the end of a parallel region sleeps
 #: instead of spinning. Spinning is faster on an idle machine, but beside another busy process it takes the core
-#: the straggling thread needs: a 2-thread SmolLM2 step then ran 3.4x slower instead of the fair 2x
+#: the straggling thread needs: beside one busy process a 2-thread SmolLM2 step ran 3.4x slower instead of the
+#: fair 2x (2.2x passive) on a 2-core avx512_bf16 CPU, and 8x slower than passive on a loaded 2-core AVX2 CPU
 #: (experiments/results/contention/).
 THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
