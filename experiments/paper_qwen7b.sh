@@ -6,7 +6,8 @@
 # GPU placement (docs/scaling/gpu_cluster.md): colocated (hybrid_engine, the default), so num_replicas null = one
 # vLLM replica per training GPU (8: every GPU generates), each asleep while the actor updates (free_cache_engine
 # null = on when colocated) and on CUDA graphs (enforce_eager null = off on CUDA). A checkpoint every 10 steps is
-# ~91 GB at 7B with the optimizer: the newest 2 are kept (the resume point and one before it).
+# ~91 GB at 7B with the optimizer: the newest 2 are kept (the resume point and one before it). Ray's object store
+# holds two weight-sync buckets at once (the bf16 embedding alone is a 1.02 GiB bucket): 4 GB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${MODEL:?set MODEL to the SFT checkpoint}"
@@ -28,4 +29,5 @@ DATA=${ARPO_SHARED_DATA:-../shared/data/arpo}
   trainer.n_gpus_per_node=8 trainer.total_epochs=2 trainer.total_training_steps=null \
   trainer.test_freq=10 trainer.save_freq=10 trainer.max_actor_ckpt_to_keep=2 data.val_max_samples=-1 \
   actor_rollout_ref.rollout.num_replicas=null actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
-  trainer.experiment_name=qwen7b_arpo trainer.output_dir=outputs/qwen7b_arpo "ray_init.num_cpus=null" "$@"
+  trainer.experiment_name=qwen7b_arpo trainer.output_dir=outputs/qwen7b_arpo "ray_init.num_cpus=null" \
+  ray_init.object_store_memory=4000000000 "$@"

@@ -162,11 +162,14 @@ def training_gpu_table(m: ModelShapes, s: PlanSettings, gpu_bytes: float, with_e
     t = MemoryTable("per training GPU" + (", with its vLLM replica" if with_engine else ""), phases)
     ws = s.world_size
     if with_engine:
-        awake = engine_budget(m, s, gpu_bytes).budget
+        engine = engine_budget(m, s, gpu_bytes)
+        awake = engine.budget
         asleep = CUDA_CONTEXT_BYTES if s.free_cache_engine else awake
+        # a push wakes a sleeping replica's weights only; its KV cache comes back after the push
+        pushing = CUDA_CONTEXT_BYTES + engine.weights if s.free_cache_engine else awake
         how = "asleep after generation" if s.free_cache_engine else "free_cache_engine off: kept"
         t.add(f"vLLM replica ({s.gpu_memory_utilization:g} x GPU; {how})",
-              {p: awake if p in ("generation", "weight sync") else asleep for p in phases})
+              {p: awake if p == "generation" else pushing if p == "weight sync" else asleep for p in phases})
     roles = 1 + s.reference + s.critic
     t.add(f"CUDA context x {roles} training process(es)", roles * CUDA_CONTEXT_BYTES)
     shard = m.shard_numel(ws)
