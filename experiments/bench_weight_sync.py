@@ -11,10 +11,8 @@ store a process touched) and the peak of private memory alone (``*_private_bytes
 Also the weight files engines keep in ``/dev/shm`` and what Ray's object store holds at once. Before each push the actor's weights are scaled
 a little on every rank, and a probe after it shows the engine took them.
 
-The trainer's path is measured whichever version of the code runs this script: streamed buckets
-(``plan_weight_sync``; ``actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes``) where the
-worker group has them, else the earlier one (rank 0's whole fp32 state dict as one Ray object, which a vLLM engine
-wrote to a safetensors file in ``/dev/shm`` and reloaded).
+The push is the trainer's: streamed buckets of
+``actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes`` (``--bucket-megabytes``).
 """
 
 from __future__ import annotations
@@ -114,27 +112,15 @@ def _actor_config(model: str, ranks: int) -> dict:
 
 
 async def _push(group: Any, engines: list, bucket_bytes: int) -> dict[str, Any]:
-    """One push by the code's own path; what it sent."""
-    if hasattr(group, "plan_weight_sync"):
-        from arpo.trainer.weight_sync import stream_weights
+    """One push as the trainer makes it; what it sent."""
+    from arpo.trainer.weight_sync import stream_weights
 
-        stats = await stream_weights(group, engines, bucket_bytes)
-        return {"path": "buckets", "bytes": stats["bytes"], "dtype": stats["dtype"], "buckets": stats["buckets"],
-                "largest_bucket_bytes": stats["largest_bucket_bytes"]}
-    import numpy as np
-    import ray
-
-    ref = group.engine_weights()
-    await asyncio.gather(*(e.update_weights(ref) for e in engines))
-    state = ray.get(ref)
-    dtypes = sorted({str(v.dtype) for v in state.values() if isinstance(v, np.ndarray)})
-    return {"path": "whole_state_dict", "bytes": int(sum(v.nbytes for v in state.values())),
-            "dtype": ",".join(dtypes), "buckets": 1, "largest_bucket_bytes": int(sum(v.nbytes for v in state.values()))}
+    stats = await stream_weights(group, engines, bucket_bytes)
+    return {"path": "buckets", "bytes": stats["bytes"], "dtype": stats["dtype"], "buckets": stats["buckets"],
+            "largest_bucket_bytes": stats["largest_bucket_bytes"]}
 
 
 async def amain(args: argparse.Namespace) -> dict[str, Any]:
-    import dataclasses
-
     import ray
 
     from arpo.engine.base import SamplingParams
@@ -146,11 +132,9 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
 
     own_ray = not ray.is_initialized()
     init_ray({"ray_init": {"num_cpus": args.ranks + args.replicas + 1}})
-    engine_kwargs: dict[str, Any] = dict(model_path=args.model, name=args.engine, ray_actor=True, max_model_len=512,
-                                         num_replicas=args.replicas)
-    if "update_weights_bucket_megabytes" in {f.name for f in dataclasses.fields(EngineConfig)}:
-        engine_kwargs["update_weights_bucket_megabytes"] = args.bucket_megabytes
-    engines = create_engines(EngineConfig(**engine_kwargs))
+    engines = create_engines(EngineConfig(model_path=args.model, name=args.engine, ray_actor=True, max_model_len=512,
+                                          num_replicas=args.replicas,
+                                          update_weights_bucket_megabytes=args.bucket_megabytes))
     group = RayWorkerGroup(_actor_config(args.model, args.ranks), role="actor")
     engine_pids = ray.get([e.handle.__ray_call__.remote(_pid) for e in engines])
     rank0_pid = ray.get(group.workers[0].__ray_call__.remote(_pid))
@@ -190,12 +174,12 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
                                                                   *sys.argv[1:]]),
         "git_sha": git_sha(), "engine": args.engine, "model": Path(args.model).name, "actor_ranks": args.ranks,
         "replicas": args.replicas, "repeats": args.repeats, "path": last["path"], "dtype": last["dtype"],
-        "bucket_megabytes": args.bucket_megabytes if last["path"] == "buckets" else None,
+        "bucket_megabytes": args.bucket_megabytes,
         "buckets": last["buckets"], "bytes_per_engine": last["bytes"],
         "largest_bucket_bytes": last["largest_bucket_bytes"],
         "bytes_moved": last["bytes"] * args.replicas,
-        # what the object store holds at once: the whole state dict, or a bucket loading and the next being gathered
-        "object_store_bound_bytes": last["bytes"] if last["path"] != "buckets" else 2 * last["largest_bucket_bytes"],
+        # what the object store holds at once: a bucket loading and the next being gathered
+        "object_store_bound_bytes": 2 * last["largest_bucket_bytes"],
         # every push changed the engine's outputs: it took the new weights each time
         "probes_all_differ": all(a != b for a, b in zip(probes, probes[1:])),
     }

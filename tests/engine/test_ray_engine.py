@@ -65,13 +65,16 @@ def test_vllm_engine_actor_generates_and_reloads(run, ray_session, tiny_model_di
         client.kill()
 
 
-def test_weight_sync_benchmark_pushes_both_ways(run, ray_session, tiny_model_dir):
+def test_weight_sync_benchmark_streams_buckets_into_an_engine_actor(run, ray_session, tiny_model_dir):
     # experiments/bench_weight_sync.py in this module's Ray session (a process of its own would start Ray again)
     import argparse
 
     from experiments import bench_weight_sync
 
-    result = run(bench_weight_sync.amain(argparse.Namespace(model=str(tiny_model_dir), engine="hf", repeats=1)))
-    assert result["probes_all_differ"] is True  # the engine took the new weights by either way, every time
-    assert result["bytes"] > 0 and result["file_total_s"] > 0 and result["object_store_total_s"] > 0
+    args = argparse.Namespace(model=str(tiny_model_dir), engine="hf", repeats=2, ranks=1, replicas=1,
+                              bucket_megabytes=1)
+    result = run(bench_weight_sync.amain(args))
+    assert result["probes_all_differ"] is True  # the engine took the new weights every time
+    assert result["buckets"] > 1 and result["bytes_per_engine"] > 0 and result["seconds"] > 0
+    assert result["engine_files_bytes"] == 0  # streamed: nothing written to /dev/shm
     assert ray_session.is_initialized()
