@@ -57,7 +57,7 @@ def validate_config(cfg: DictConfig) -> None:
         files = cfg.data[key]
         for f in ([files] if isinstance(files, str) else list(files or [])):
             require_path(f, f"data.{key}", "generate the data with `python -m arpo.data.synthetic` or point it at "
-                                           "verl-format parquet files", kind="file")
+                                           "verl-format parquet or prompt/answer JSONL files", kind="file")
     try:
         EngineConfig.from_cfg(cfg)
         arpo_cfg = ARPORolloutConfig.from_dict(r.arpo)
