@@ -110,36 +110,9 @@ def test_glossary_covers_the_rollout_and_batch_metrics_of_every_policy(overrides
 def test_glossary_covers_every_metric_of_a_training_step(tiny_model_dir, synthetic_dir):
     """The trainer's own step (real FSDP2 update on one in-process rank, real rewards and weight push; scripted
     engine): every metric it returns has a glossary entry."""
-    from transformers import AutoTokenizer
-
-    from arpo.config import load_config
-    from arpo.data.rl_dataset import create_rl_dataloaders
     from arpo.metrics_glossary import unknown_metrics
-    from arpo.rollout.arpo_rollout import ARPORollout
-    from arpo.testing.scripted_engine import ScriptedEngine
-    from arpo.trainer.ray_trainer import RayARPOTrainer
-    from arpo.trainer.worker_group import LocalWorkerGroup
-    from reward_fns.manager import RewardManager
+    from tests.trainer.train_step_helpers import one_train_step
 
-    cfg = load_config("arpo_trainer", [f"actor_rollout_ref.model.path={tiny_model_dir}",
-                                       f"synthetic.out_dir={synthetic_dir}", "data.train_batch_size=2",
-                                       "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.n_gpus_per_node=1",
-                                       "actor_rollout_ref.rollout.num_replicas=1", "reward.executor=serial",
-                                       "actor_rollout_ref.rollout.n=4",
-                                       "actor_rollout_ref.rollout.arpo.initial_rollouts=2"])
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    train, _ = create_rl_dataloaders(cfg, tokenizer)
-    engines = [ScriptedEngine(tokenizer)]
-    r = cfg.actor_rollout_ref.rollout
-    rollout = ARPORollout(engines, tokenizer, {**dict(r.arpo), "mode": r.mode, "sampling.max_response_length": 16})
-    actor = LocalWorkerGroup(cfg, "actor")
-    trainer = RayARPOTrainer(cfg, tokenizer, train, None, rollout, actor, None, engines,
-                             RewardManager.from_config(cfg), None, None)
-    try:
-        metrics = trainer.train_step(train.next_batch())
-    finally:
-        rollout.close()
-        actor.shutdown()
-        trainer.close()
+    metrics, _ = one_train_step(tiny_model_dir, synthetic_dir)
     assert "actor/pg_loss" in metrics and "timing_s/step" in metrics and "critic/score/mean" in metrics
     assert not unknown_metrics(metrics), f"add these to arpo/metrics_glossary.py: {unknown_metrics(metrics)}"

@@ -69,40 +69,11 @@ def test_register_decorator_routes_a_data_source():
 def test_length_penalty_reward_is_used_in_a_training_step(tiny_model_dir, synthetic_dir):
     """The trainer's own step (real FSDP2 update on one in-process rank, scripted engine) with the example
     named by verl's custom_reward_function keys: its diagnostics reach the step's metrics."""
-    from transformers import AutoTokenizer
+    from tests.trainer.train_step_helpers import one_train_step
 
-    from arpo.config import load_config
-    from arpo.data.rl_dataset import create_rl_dataloaders
-    from arpo.rollout.arpo_rollout import ARPORollout
-    from arpo.testing.scripted_engine import ScriptedEngine
-    from arpo.trainer.ray_trainer import RayARPOTrainer
-    from arpo.trainer.worker_group import LocalWorkerGroup
-    from reward_fns.manager import RewardManager
-
-    cfg = load_config("arpo_trainer", [f"actor_rollout_ref.model.path={tiny_model_dir}",
-                                       f"synthetic.out_dir={synthetic_dir}", "data.train_batch_size=2",
-                                       "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.n_gpus_per_node=1",
-                                       "actor_rollout_ref.rollout.num_replicas=1", "reward.executor=serial",
-                                       "actor_rollout_ref.rollout.n=4",
-                                       "actor_rollout_ref.rollout.arpo.initial_rollouts=2",
-                                       "custom_reward_function.path=examples/length_penalty_reward.py",
-                                       "custom_reward_function.name=compute_score",
-                                       "+custom_reward_function.reward_kwargs.max_chars=1",
-                                       "+custom_reward_function.reward_kwargs.penalty_per_char=0.01"])
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    train, _ = create_rl_dataloaders(cfg, tokenizer)
-    engines = [ScriptedEngine(tokenizer)]
-    r = cfg.actor_rollout_ref.rollout
-    rollout = ARPORollout(engines, tokenizer, {**dict(r.arpo), "mode": r.mode, "sampling.max_response_length": 16})
-    actor = LocalWorkerGroup(cfg, "actor")
-    trainer = RayARPOTrainer(cfg, tokenizer, train, None, rollout, actor, None, engines,
-                             RewardManager.from_config(cfg), None, None)
-    try:
-        metrics = trainer.train_step(train.next_batch())
-    finally:
-        rollout.close()
-        actor.shutdown()
-        trainer.close()
+    metrics, _ = one_train_step(tiny_model_dir, synthetic_dir, [
+        "custom_reward_function.path=examples/length_penalty_reward.py", "custom_reward_function.name=compute_score",
+        "+custom_reward_function.reward_kwargs.max_chars=1", "+custom_reward_function.reward_kwargs.penalty_per_char=0.01"])
     assert "actor/pg_loss" in metrics
     assert metrics["reward/length_penalty/mean"] > 0
     assert metrics["critic/score/mean"] == pytest.approx(

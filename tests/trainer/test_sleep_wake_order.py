@@ -34,36 +34,14 @@ class RecordingEngine(ScriptedEngine):
 
 @pytest.mark.slow  # one real update of the tiny model in this process: ~15 s on 2 busy cores
 def test_train_step_sleeps_every_replica_and_wakes_it_before_the_weights(tiny_model_dir, synthetic_dir):
-    from transformers import AutoTokenizer
-
-    from arpo.config import load_config
-    from arpo.data.rl_dataset import create_rl_dataloaders
     from arpo.placement import resolve_rollout_auto
-    from arpo.rollout.arpo_rollout import ARPORollout
-    from arpo.trainer.ray_trainer import RayARPOTrainer
-    from arpo.trainer.worker_group import LocalWorkerGroup
-    from reward_fns.manager import RewardManager
+    from tests.trainer.train_step_helpers import one_train_step
 
-    cfg = load_config("arpo_trainer", [f"actor_rollout_ref.model.path={tiny_model_dir}",
-                                       f"synthetic.out_dir={synthetic_dir}", "data.train_batch_size=2",
-                                       "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.n_gpus_per_node=1",
-                                       "actor_rollout_ref.rollout.num_replicas=2", "reward.executor=serial",
-                                       "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.arpo.initial_rollouts=2"])
-    assert resolve_rollout_auto(cfg, gpus=True) == {"num_replicas": 2, "free_cache_engine": True}
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    train, _ = create_rl_dataloaders(cfg, tokenizer)
-    engines = [RecordingEngine(tokenizer) for _ in range(cfg.actor_rollout_ref.rollout.num_replicas)]
-    r = cfg.actor_rollout_ref.rollout
-    rollout = ARPORollout(engines, tokenizer, {**dict(r.arpo), "mode": r.mode, "sampling.max_response_length": 16})
-    actor = LocalWorkerGroup(cfg, "actor")  # the real update and weight push, one rank in this process
-    trainer = RayARPOTrainer(cfg, tokenizer, train, None, rollout, actor, None, engines,
-                             RewardManager.from_config(cfg), None, None)
-    try:
-        metrics = trainer.train_step(train.next_batch())
-    finally:
-        rollout.close()
-        actor.shutdown()
-        trainer.close()
+    def as_on_gpus(cfg) -> None:  # free_cache_engine null resolves on, as colocated on GPUs
+        assert resolve_rollout_auto(cfg, gpus=True) == {"num_replicas": 2, "free_cache_engine": True}
+
+    metrics, engines = one_train_step(tiny_model_dir, synthetic_dir, ["actor_rollout_ref.rollout.num_replicas=2",
+                                      "actor_rollout_ref.rollout.n=2"], RecordingEngine, as_on_gpus)
     assert "rollout/weight_sync_probe" in metrics
     for engine in engines:
         calls = engine.calls
