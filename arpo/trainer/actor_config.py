@@ -230,6 +230,15 @@ def validate_actor_config(cfg: Any) -> None:
         raise ConfigError(f"actor_rollout_ref.model.tree_packing needs a kernel that takes a tree attention mask: "
                           f"set actor_rollout_ref.model.attn_implementation=sdpa (or eager), not {attention!r}, "
                           f"or actor_rollout_ref.model.tree_packing=false")
+    lora_rank = cfg_get(cfg, "actor_rollout_ref.model.lora_rank", 0)
+    if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
+        raise ConfigError(f"actor_rollout_ref.model.lora_rank must be an integer >= 0 (0: no LoRA), got {lora_rank!r}")
+    if lora_rank:
+        _number_in(cfg, "actor_rollout_ref.model.lora_alpha", 16, 0.0, 1e9, low_open=True)
+        targets = cfg_get(cfg, "actor_rollout_ref.model.target_modules", "all-linear")
+        if not (isinstance(targets, str) or (list(targets) and all(isinstance(t, str) for t in targets))):
+            raise ConfigError(f"actor_rollout_ref.model.target_modules must be all-linear or a list of module "
+                              f"names, got {targets!r}")
     strategy = cfg_get(cfg, "actor_rollout_ref.actor.strategy", "fsdp2")
     if strategy != "fsdp2":
         raise ConfigError(f"actor_rollout_ref.actor.strategy={strategy!r}: only fsdp2 is supported "

@@ -12,6 +12,7 @@ precision micro-batches also run left-aligned, only as wide as their longest row
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -28,6 +29,7 @@ from arpo.trainer.actor_update import METRIC_KEYS, full_tensor, micro_batch_orde
 from arpo.trainer.device import cpu_has_native_bf16, device_settings_from_config
 from arpo.trainer.dynamic_batching import pack_by_tokens, row_tokens
 from arpo.trainer.logprobs import compute_logprobs_and_entropy
+from arpo.trainer.lora import MergedLinear, adapters_disabled, apply_lora, has_lora, lora_engine_tensors
 from arpo.trainer.memory import configure_allocator, memory_stats, release_memory
 from arpo.trainer.model_init import materialize_from_rank0, shard_model
 from arpo.trainer.tree_attention import use_tree_attention
@@ -132,6 +134,11 @@ class ActorWorker:
 
         before = memory_stats(reset_peak=True)["rss_mb"]
         loaded = self.load_model() if self.rank == 0 else None
+        if self.uses_lora:  # every rank wraps alike before sharding; rank 0's adapter init is broadcast
+            m = self.cfg.model
+            model = apply_lora(model, m.lora_rank, m.lora_alpha, m.target_modules)
+            if loaded is not None:
+                loaded = apply_lora(loaded, m.lora_rank, m.lora_alpha, m.target_modules, seed=self.cfg.seed)
         if self.tree_packing:  # packed trees attend segment by segment; every other forward is plain SDPA
             use_tree_attention(model)
         if self.trainable and self.cfg.model.enable_gradient_checkpointing:
@@ -174,6 +181,11 @@ class ActorWorker:
     def trainable(self) -> bool:
         return self.role != "ref"
 
+    @property
+    def uses_lora(self) -> bool:
+        """The policy trains LoRA adapters (the reference and the critic stay full models)."""
+        return self.role == "actor" and int(self.cfg.model.lora_rank) > 0
+
     def model_path(self) -> str:
         if not self.cfg.model.path:
             raise ValueError("actor_rollout_ref.model.path is not set: give an HF-format model directory")
@@ -206,7 +218,8 @@ class ActorWorker:
 
     def _build_optimizer(self) -> None:
         o = self.cfg.optim
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=float(o.lr),
+        params = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapters only
+        self.optimizer = torch.optim.AdamW(params, lr=float(o.lr),
                                            betas=tuple(float(b) for b in o.betas),
                                            weight_decay=float(o.weight_decay), eps=float(o.eps))
         total = int(o.total_training_steps) if o.total_training_steps > 0 else self.cfg.total_training_steps
@@ -296,11 +309,12 @@ class ActorWorker:
                 temperature=temperature, calc_entropy=calc_entropy, entropy_grad=entropy_grad, pack=fast,
                 head_mask=head_mask, share_prefix=fast and self.share_prefix and not trees)
 
-    def compute_log_prob(self, batch: DataBatch, calc_entropy: bool | None = None) -> dict[str, torch.Tensor]:
+    def compute_log_prob(self, batch: DataBatch, calc_entropy: bool | None = None,
+                         base_model: bool = False) -> dict[str, torch.Tensor]:
         """Log-probs of ``responses`` under this rank's model (no grad), micro-batched, for this rank's rows:
         ``{"log_probs": (B, T)}`` plus ``"entropy"`` (B, T) when ``calc_entropy`` (default: on for the
         actor, whose old-log-prob pass gives verl's ``actor/entropy`` metric; off for the reference).
-        Padding positions are 0."""
+        Padding positions are 0. ``base_model``: with LoRA adapters disabled (the reference policy)."""
         if calc_entropy is None:
             calc_entropy = self.role == "actor"
         micro = self.cfg.log_prob_micro_batch_size
@@ -312,7 +326,8 @@ class ActorWorker:
         logps = torch.zeros(len(batch), width)
         ents = torch.zeros(len(batch), width) if calc_entropy else None
         micros = self.micro_batches(batch, micro, max_tokens)
-        with torch.no_grad():
+        base = adapters_disabled(self.model) if base_model and has_lora(self.model) else contextlib.nullcontext()
+        with torch.no_grad(), base:
             for i in range(self.micro_batch_count(micros)):
                 if i >= len(micros):
                     self.forward(self.dummy_micro_batch(batch), temperature, False)
@@ -403,6 +418,8 @@ class ActorWorker:
         dtype = getattr(torch, engine_dtype)
         tensors = {n: t for n, t in self.model.state_dict().items()
                    if not (n == "lm_head.weight" and self._tied_head())}
+        if has_lora(self.model):  # merged, under the base model's names
+            tensors = lora_engine_tensors(self.model, tensors)
         self._sync = (tensors, plan_buckets(((n, t.shape, transfer_dtype(t.dtype, dtype)) for n, t in tensors.items()),
                                             bucket_bytes))
         return [bucket_size(entries) for entries in self._sync[1]]
@@ -426,7 +443,8 @@ class ActorWorker:
                 self._pinned = None
                 self._pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
             out = self._pinned
-        gathered = (full_tensor(tensors[e.name].detach().to(getattr(torch, e.dtype))) for e in entries)
+        gathered = (tensors[e.name].full(getattr(torch, e.dtype)) if isinstance(tensors[e.name], MergedLinear)
+                    else full_tensor(tensors[e.name].detach().to(getattr(torch, e.dtype))) for e in entries)
         if self.rank != 0:
             for _ in gathered:  # this rank's part of each gather
                 pass

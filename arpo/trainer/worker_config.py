@@ -31,6 +31,9 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = True
     share_prefix: bool = True
     tree_packing: bool | str = "auto"
+    lora_rank: int = 0                          # 0: full fine-tuning; > 0: peft LoRA adapters only (lora.py)
+    lora_alpha: float = 16
+    target_modules: str | tuple[str, ...] = "all-linear"
 
     def packs_trees(self, device_type: str) -> bool:
         return resolve_tree_packing(self.tree_packing, device_type)

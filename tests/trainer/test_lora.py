@@ -1,0 +1,130 @@
+"""LoRA adapters on the FSDP2 policy (actor_rollout_ref.model.lora_rank): a fresh adapter is the base model, only
+adapters train, the engine gets the merged weights under the base names, and 2 ranks update as one process."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.trainer.workers_helpers import (add_training_columns, base_config, max_abs_diff, random_batch,  # noqa: F401
+                                           ray_cluster, small_model)
+
+
+@pytest.fixture
+def one_process_group():
+    import torch.distributed as dist
+
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _cfg(model_dir, world: int = 1, rank: int = 4) -> dict:
+    cfg = base_config(model_dir, world=world)
+    cfg["actor_rollout_ref"]["model"].update(dtype="float32", lora_rank=rank, lora_alpha=8)
+    return cfg
+
+
+def _worker(cfg: dict):
+    from arpo.trainer.fsdp_worker import ActorWorker
+
+    worker = ActorWorker(cfg, "actor", 0, 1)
+    worker.init_model()
+    return worker
+
+
+def _copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # in one process a gathered parameter may be the shard's own storage, which FSDP2 frees and reuses
+    return {n: t.clone() for n, t in tensors.items()}
+
+
+def _engine_state(worker) -> dict[str, torch.Tensor]:
+    """What a weight sync sends, unpacked."""
+    sizes = worker.plan_weight_sync("float32", 1 << 30)
+    out = {}
+    for i in range(len(sizes)):
+        out.update((n, t.clone()) for n, t in worker.weight_bucket(i, fresh=True).tensors())
+    worker.end_weight_sync()
+    return out
+
+
+def test_lora_trains_only_adapters_and_syncs_merged_base_weights(small_model, one_process_group):
+    from transformers import AutoModelForCausalLM
+
+    from arpo.trainer.logprobs import compute_logprobs_and_entropy
+
+    batch = random_batch(8, seed=1)
+    plain = _worker(_cfg(small_model, rank=0))
+    base_lp = plain.compute_log_prob(batch)["log_probs"]
+    base_engine = _engine_state(plain)
+
+    worker = _worker(_cfg(small_model, rank=4))
+    # B starts at zero: the wrapped model is the base model
+    assert torch.allclose(worker.compute_log_prob(batch)["log_probs"], base_lp, atol=1e-6)
+    trained = {n for n, p in worker.model.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
+    assert sum(len(g["params"]) for g in worker.optimizer.param_groups) == len(trained)
+    before = _copy(worker.full_parameters())
+
+    train = add_training_columns(batch, base_lp, seed=2)
+    worker.update_policy(train)
+    after = _copy(worker.full_parameters())
+    assert all(torch.equal(after[n], before[n]) for n in before if n not in trained)  # the base is frozen
+    assert any(not torch.equal(after[n], before[n]) for n in trained)
+    adapted = worker.compute_log_prob(batch)["log_probs"]
+    assert not torch.allclose(adapted, base_lp, atol=1e-4)
+    # adapters disabled: the base model again (the reference policy without a second copy)
+    assert torch.allclose(worker.compute_log_prob(batch, base_model=True)["log_probs"], base_lp, atol=1e-6)
+
+    # the engine gets the base model's names, merged weights: a plain HF model loaded with them gives the
+    # adapted log-probs
+    merged = _engine_state(worker)
+    assert list(merged) == list(base_engine)
+    hf = AutoModelForCausalLM.from_pretrained(str(small_model), dtype=torch.float32)
+    missing, unexpected = hf.load_state_dict(merged, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    with torch.no_grad():
+        lp, _ = compute_logprobs_and_entropy(hf, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
+                                             batch["responses"].shape[1], pack=False)
+    assert torch.allclose(lp * batch["response_mask"], adapted * batch["response_mask"], atol=1e-5)
+
+
+def test_lora_keys_are_validated():
+    from arpo.trainer.actor_config import ConfigError, validate_actor_config
+
+    cfg = base_config("unused", world=1)
+    cfg["actor_rollout_ref"]["model"]["lora_rank"] = -1
+    with pytest.raises(ConfigError, match="actor_rollout_ref.model.lora_rank must be an integer >= 0"):
+        validate_actor_config(cfg)
+    cfg["actor_rollout_ref"]["model"].update(lora_rank=8, lora_alpha=0)
+    with pytest.raises(ConfigError, match="actor_rollout_ref.model.lora_alpha"):
+        validate_actor_config(cfg)
+    cfg["actor_rollout_ref"]["model"].update(lora_alpha=16, target_modules=[3])
+    with pytest.raises(ConfigError, match="actor_rollout_ref.model.target_modules"):
+        validate_actor_config(cfg)
+
+
+@pytest.mark.slow
+def test_two_rank_lora_update_equals_one_process(small_model, ray_cluster, one_process_group):
+    """The same LoRA update (rank 0's adapter init from trainer.seed, broadcast) on 2 gloo ranks and in one
+    process: gradients and weights to 1e-6."""
+    from arpo.trainer.worker_group import RayWorkerGroup
+
+    batch = random_batch(8, seed=3)
+    cfg2 = _cfg(small_model, world=2)
+    group = RayWorkerGroup(cfg2, role="actor")
+    try:
+        old = group.compute_log_prob(batch)
+        train = add_training_columns(batch, old["log_probs"], seed=4)
+        group.update_policy(train)
+        params2, grads2 = group.full_parameters(), group.full_gradients()
+    finally:
+        group.shutdown()
+    worker = _worker(copy.deepcopy(_cfg(small_model, world=1)))
+    worker.update_policy(train)
+    params1, grads1 = _copy(worker.full_parameters()), _copy(worker.full_gradients())
+    assert set(grads1) == set(grads2) and all(".lora_" in n for n in grads1)
+    assert max_abs_diff(grads2, grads1) < 1e-6
+    assert max_abs_diff(params2, params1) < 1e-6
