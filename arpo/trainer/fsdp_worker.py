@@ -405,6 +405,9 @@ class ActorWorker:
             return None
         if self._tied_head():
             state.pop("lm_head.weight", None)
+        if has_lora(self.model):  # the merged model under the base names (full tensors here: no collective)
+            state = {n: t.full(torch.float32) if isinstance(t, MergedLinear) else t
+                     for n, t in lora_engine_tensors(self.model, state).items()}
         return state
 
     def _tied_head(self) -> bool:

@@ -10,7 +10,8 @@ weights. Only the adapters require grad, and the optimizer holds only them.
 
 The engine gets merged weights under the base model's names (:func:`lora_engine_tensors`): a wrapped linear's
 ``<name>.base_layer.weight`` is sent as ``<name>.weight`` = W + (alpha / r) B A, its bias as ``<name>.bias``; the
-adapter matrices themselves are not sent, so the engine loads them as a plain checkpoint.
+adapter matrices themselves are not sent, so the engine loads them as a plain checkpoint. The HF export
+(``ActorWorker.export_hf``) writes the same merged model.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def _engine_state(worker) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_lora_trains_only_adapters_and_syncs_merged_base_weights(small_model, one_process_group):
+def test_lora_trains_only_adapters_and_syncs_merged_base_weights(small_model, one_process_group, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from arpo.trainer.logprobs import compute_logprobs_and_entropy
@@ -88,6 +88,14 @@ def test_lora_trains_only_adapters_and_syncs_merged_base_weights(small_model, on
     with torch.no_grad():
         lp, _ = compute_logprobs_and_entropy(hf, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
                                              batch["responses"].shape[1], pack=False)
+    assert torch.allclose(lp * batch["response_mask"], adapted * batch["response_mask"], atol=1e-5)
+
+    # the HF export is the merged model too: transformers loads it as a plain checkpoint
+    out = worker.export_hf(str(tmp_path / "hf"))
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        lp, _ = compute_logprobs_and_entropy(exported, batch["input_ids"], batch["attention_mask"],
+                                             batch["position_ids"], batch["responses"].shape[1], pack=False)
     assert torch.allclose(lp * batch["response_mask"], adapted * batch["response_mask"], atol=1e-5)
 
 
