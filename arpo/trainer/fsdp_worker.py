@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import socket
 from typing import Any
@@ -31,6 +30,7 @@ from arpo.trainer.dynamic_batching import pack_by_tokens, row_tokens
 from arpo.trainer.logprobs import compute_logprobs_and_entropy
 from arpo.trainer.lora import MergedLinear, adapters_disabled, apply_lora, has_lora, lora_engine_tensors
 from arpo.trainer.memory import configure_allocator, memory_stats, release_memory
+from arpo.trainer.optim import build_optimizer
 from arpo.trainer.model_init import materialize_from_rank0, shard_model
 from arpo.trainer.tree_attention import use_tree_attention
 from arpo.trainer.tree_packing import (MAX_PACKED_TOKENS, pack_micro_batch, packed_logprobs_and_entropy,
@@ -40,25 +40,13 @@ from arpo.trainer.worker_config import WorkerConfig
 logger = logging.getLogger(__name__)
 
 ROLES = ("actor", "ref")
-__all__ = ["ActorWorker", "METRIC_KEYS", "lr_lambda"]
+__all__ = ["ActorWorker", "METRIC_KEYS"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def lr_lambda(step: int, warmup_steps: int, total_steps: int, style: str, min_lr_ratio: float,
-              num_cycles: float) -> float:
-    """LR multiplier at scheduler step ``step``: linear warmup, then constant or cosine decay to min_lr_ratio."""
-    if step < warmup_steps:
-        return (step + 1) / max(1, warmup_steps)
-    if style == "constant":
-        return 1.0
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * min(1.0, progress)))
-    return min_lr_ratio + (1.0 - min_lr_ratio) * cosine
 
 
 class ActorWorker:
@@ -217,20 +205,9 @@ class ActorWorker:
         return model.eval()
 
     def _build_optimizer(self) -> None:
-        o = self.cfg.optim
         params = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapters only
-        self.optimizer = torch.optim.AdamW(params, lr=float(o.lr),
-                                           betas=tuple(float(b) for b in o.betas),
-                                           weight_decay=float(o.weight_decay), eps=float(o.eps))
-        total = int(o.total_training_steps) if o.total_training_steps > 0 else self.cfg.total_training_steps
-        warmup = (int(o.lr_warmup_steps) if o.lr_warmup_steps >= 0
-                  else int(float(o.lr_warmup_steps_ratio) * max(total, 0)))
-        if o.warmup_style == "cosine" and total <= 0:
-            raise ValueError(f"{self.OPTIM_KEY}.warmup_style=cosine needs {self.OPTIM_KEY}.total_training_steps > 0 "
-                             f"(the trainer sets it)")
-        style, min_lr_ratio, cycles = o.warmup_style, float(o.min_lr_ratio), float(o.num_cycles)
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_lambda(s, warmup, total, style, min_lr_ratio, cycles))
+        self.optimizer, self.lr_scheduler = build_optimizer(params, self.cfg.optim, self.cfg.total_training_steps,
+                                                            self.OPTIM_KEY)
 
     # ------------------------------------------------------------------------------------------------
     # forward passes

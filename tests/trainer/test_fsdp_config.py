@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from arpo.config import ConfigError, config_dir
 from arpo.trainer.actor_config import validate_actor_config
 from arpo.trainer.device import device_settings
-from arpo.trainer.fsdp_worker import lr_lambda
+from arpo.trainer.optim import lr_lambda
 from arpo.trainer.worker_group import gather_rows, split_for_ranks
 from tests.trainer.workers_helpers import random_batch
 
