@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from arpo.machine import git_sha  # noqa: F401 - the commit every result JSON records
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def environ_with(changes: dict[str, str]) -> dict[str, str]:
+    """This process's environment with ``changes`` applied, an empty value unsetting its key (a child's settings)."""
+    env = dict(os.environ)
+    for key, value in changes.items():
+        if value:
+            env[key] = value
+        else:
+            env.pop(key, None)
+    return env

@@ -96,12 +96,9 @@ def child(args: argparse.Namespace) -> None:
 
 
 def run_setting(args: argparse.Namespace, threads: int, env: dict[str, str]) -> dict:
-    full_env = dict(os.environ)
-    for key, value in env.items():
-        if value:
-            full_env[key] = value
-        else:
-            full_env.pop(key, None)
+    from experiments import environ_with  # here, not at the top: a child loads torch before arpo
+
+    full_env = environ_with(env)
     cmd = [sys.executable, __file__, "--child", "--model-dir", str(args.model_dir), "--rows", str(args.rows),
            "--tokens", str(args.tokens), "--steps", str(args.steps), "--threads", str(threads)]
     r = subprocess.run(cmd, env=full_env, capture_output=True, text=True)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments import git_sha  # noqa: E402
+from experiments import environ_with, git_sha  # noqa: E402
 
 DEFAULT_SETTINGS = (
     "default=",
@@ -194,12 +193,7 @@ def main() -> None:
         done = args.work / (f"probe_{name}.pt" if args.probe_only else f"run_{name}.json")
         if done.exists():  # by an earlier invocation: runs resume by setting
             continue
-        full_env = dict(os.environ)
-        for key, value in env.items():
-            if value:
-                full_env[key] = value
-            else:
-                full_env.pop(key, None)
+        full_env = environ_with(env)
         cmd = (["nice", "-n", str(args.nice)] if args.nice else []) + [
             sys.executable, __file__, "--child", name, "--work", str(args.work), "--steps", str(args.steps),
             "--threads", own.get("threads", str(plan["sft"]["num_threads"])),
