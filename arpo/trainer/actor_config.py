@@ -176,6 +176,17 @@ def _validate_batch_split(cfg: Any, section: str) -> None:
                           f"ppo_mini_batch_size * rollout.n / world_size = {per_rank}")
 
 
+def reference_policy(cfg: Any) -> str | None:
+    """Where the reference log-probs come from: None (no KL term: neither ``actor.use_kl_loss`` nor
+    ``algorithm.use_kl_in_reward``), ``"actor"`` (LoRA on: the actor's own workers with the adapters disabled, which
+    is the frozen base model; verl's ref_in_actor, no second copy of the weights) or ``"ref"`` (a worker group of
+    its own holding the base model)."""
+    if not (cfg_get(cfg, "actor_rollout_ref.actor.use_kl_loss", False) or cfg_get(cfg, "algorithm.use_kl_in_reward",
+                                                                                    False)):
+        return None
+    return "actor" if int(cfg_get(cfg, "actor_rollout_ref.model.lora_rank", 0)) > 0 else "ref"
+
+
 def uses_critic(cfg: Any) -> bool:
     """PPO with a critic: GAE is the one estimator that needs values."""
     return cfg_get(cfg, "algorithm.adv_estimator", "grpo") == "gae"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import uuid
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
 from omegaconf import DictConfig
@@ -20,10 +20,13 @@ from tqdm import tqdm
 
 from arpo.batch import DataBatch
 from arpo.trainer import core_algos
-from arpo.trainer.actor_config import needs_old_log_prob_pass, validation_sampling
+from arpo.trainer.actor_config import needs_old_log_prob_pass, reference_policy, validation_sampling
 from arpo.trainer.dynamic_sampling import GroupCollector, filter_groups_config
 from arpo.trainer.hard_advantage import apply_advantage_mode
 from arpo.trainer.metrics import Timer, compute_data_metrics
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +74,12 @@ class RayARPOTrainer:
         self.kl_ctrl = core_algos.get_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.filter_groups = filter_groups_config(cfg)
         self.free_cache_engine = bool(cfg.actor_rollout_ref.rollout.get("free_cache_engine", False))
+        #: where the reference log-probs come from (actor_config.reference_policy); "actor": LoRA's frozen base
+        ref = reference_policy(cfg)
+        self.reference = ref if ref == "actor" or ref_wg is not None else None
+        if self.reference is not None:
+            logger.info("reference policy: %s", "the actor's base model (LoRA adapters disabled; no reference "
+                        "worker group)" if self.reference == "actor" else "its own worker group")
 
     # ---- one step --------------------------------------------------------------------------------------
     def _prompt_batch(self, rows: list[dict[str, Any]]) -> DataBatch:
@@ -173,9 +182,9 @@ class RayARPOTrainer:
                     if old_entropy is not None:
                         m = batch.tensors["response_mask"].bool()
                         metrics["actor/entropy"] = old_entropy[m].mean().item() if m.any() else 0.0
-            if self.ref_wg is not None:
+            if self.reference is not None:
                 with timer.phase("ref"):
-                    batch.tensors["ref_log_prob"] = self.ref_wg.compute_log_prob(batch)["log_probs"]
+                    batch.tensors["ref_log_prob"] = self.reference_log_probs(batch)
             if self.critic_wg is not None:
                 with timer.phase("values"):
                     batch.tensors["values"] = self.critic_wg.compute_values(batch)["values"]
@@ -204,6 +213,13 @@ class RayARPOTrainer:
         metrics.update(compute_data_metrics(batch))
         metrics.update(timer.metrics(int(batch.tensors["attention_mask"].sum())))
         return metrics
+
+    def reference_log_probs(self, batch: DataBatch) -> "torch.Tensor":
+        """The reference policy's log-probs of ``batch`` (B, T): with LoRA the actor's workers with the adapters
+        disabled (the frozen base model is the reference), else the reference worker group."""
+        if self.reference == "actor":
+            return self.actor_wg.compute_log_prob(batch, calc_entropy=False, base_model=True)["log_probs"]
+        return self.ref_wg.compute_log_prob(batch)["log_probs"]
 
     def push_weights(self) -> dict[str, float]:
         """Actor weights → every replica, streamed in buckets of

@@ -179,16 +179,18 @@ class WorkerGroup:
         out.tensors.update(tree_columns(batch))
         return out
 
-    def compute_log_prob(self, batch: DataBatch, calc_entropy: bool | None = None) -> dict[str, torch.Tensor]:
+    def compute_log_prob(self, batch: DataBatch, calc_entropy: bool | None = None,
+                         base_model: bool = False) -> dict[str, torch.Tensor]:
         """``{"log_probs": (B, T)}`` (+ ``"entropy"``; by default for the actor role) in ``batch`` row order;
-        see :meth:`ActorWorker.compute_log_prob`."""
+        ``base_model``: LoRA adapters disabled (the reference policy). See :meth:`ActorWorker.compute_log_prob`."""
+        kwargs = {"calc_entropy": calc_entropy, "base_model": base_model}
         if self._packs_trees():
             shares = split_trees_for_ranks(self._with_trees(batch), self.world_size)
-            results = self.execute_split("compute_log_prob", shares, calc_entropy=calc_entropy)
+            results = self.execute_split("compute_log_prob", shares, **kwargs)
             return gather_rows(results, [s["is_pad"] for s in shares], [s["row_index"] for s in shares])
         balance = self._balance()
         shares, _ = split_for_ranks(_tensors_only(batch), self.world_size, balance=balance)
-        results = self.execute_split("compute_log_prob", shares, calc_entropy=calc_entropy)
+        results = self.execute_split("compute_log_prob", shares, **kwargs)
         return gather_rows(results, [s["is_pad"] for s in shares],
                            [s["row_index"] for s in shares] if balance else None)
 

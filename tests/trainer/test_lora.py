@@ -8,17 +8,8 @@ import copy
 import pytest
 import torch
 
-from tests.trainer.workers_helpers import (add_training_columns, base_config, max_abs_diff, random_batch,  # noqa: F401
-                                           ray_cluster, small_model)
-
-
-@pytest.fixture
-def one_process_group():
-    import torch.distributed as dist
-
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+from tests.trainer.workers_helpers import (add_training_columns, base_config, max_abs_diff,  # noqa: F401
+                                           one_process_group, random_batch, ray_cluster, small_model)
 
 
 def _cfg(model_dir, world: int = 1, rank: int = 4) -> dict:
@@ -136,3 +127,50 @@ def test_two_rank_lora_update_equals_one_process(small_model, ray_cluster, one_p
     assert set(grads1) == set(grads2) and all(".lora_" in n for n in grads1)
     assert max_abs_diff(grads2, grads1) < 1e-6
     assert max_abs_diff(params2, params1) < 1e-6
+
+
+def test_lora_reference_is_the_actors_base_model(small_model, synthetic_dir, one_process_group, caplog):
+    """With LoRA and a KL term no reference worker group starts: the trainer's reference log-probs are the actor's
+    with the adapters disabled, which a plain HF load of the base model gives (after an update moved the adapters)."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    from arpo.config import load_config
+    from arpo.main_arpo import worker_groups
+    from arpo.trainer.actor_config import reference_policy
+    from arpo.trainer.logprobs import compute_logprobs_and_entropy
+    from arpo.trainer.ray_trainer import RayARPOTrainer
+    from arpo.trainer.worker_group import LocalWorkerGroup
+
+    common = [f"actor_rollout_ref.model.path={small_model}", f"synthetic.out_dir={synthetic_dir}",
+              "trainer.device=cpu", "trainer.n_gpus_per_node=1", "data.train_batch_size=4",
+              "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=2",
+              "actor_rollout_ref.model.dtype=float32", "actor_rollout_ref.model.tree_packing=false"]
+    lora = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8"]
+    cfg = load_config("arpo_trainer", common + lora + ["actor_rollout_ref.actor.use_kl_loss=true"])
+    assert reference_policy(cfg) == "actor" and worker_groups(cfg) == ["actor"]
+    full = load_config("arpo_trainer", common + ["actor_rollout_ref.actor.use_kl_loss=true"])
+    assert reference_policy(full) == "ref" and worker_groups(full) == ["actor", "ref"]
+    in_reward = load_config("arpo_trainer", common + lora + ["algorithm.use_kl_in_reward=true"])
+    assert reference_policy(in_reward) == "actor" and worker_groups(in_reward) == ["actor"]
+    assert reference_policy(load_config("arpo_trainer", common + lora)) is None  # no KL term: no reference
+
+    batch = random_batch(8, seed=5)
+    actor = LocalWorkerGroup(cfg, "actor")
+    try:
+        actor.update_policy(add_training_columns(batch, actor.compute_log_prob(batch)["log_probs"], seed=6))
+        with caplog.at_level(logging.INFO, logger="arpo.trainer.ray_trainer"):
+            trainer = RayARPOTrainer(cfg, None, None, None, None, actor, None, [], None, None, None)
+        assert "reference policy: the actor's base model" in caplog.text
+        ref = trainer.reference_log_probs(batch)
+        adapted = actor.compute_log_prob(batch)["log_probs"]
+    finally:
+        actor.shutdown()
+    base = AutoModelForCausalLM.from_pretrained(str(small_model), dtype=torch.float32)
+    with torch.no_grad():
+        lp, _ = compute_logprobs_and_entropy(base, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
+                                             batch["responses"].shape[1], pack=False)
+    mask = batch["response_mask"]
+    assert torch.allclose(ref * mask, lp * mask, atol=1e-5)
+    assert not torch.allclose(adapted, ref, atol=1e-4)  # the adapters moved: the reference is not the policy

@@ -37,6 +37,16 @@ def ray_cluster() -> None:
     init_ray({"num_cpus": 4, "object_store_memory": 100 * 1024 * 1024})
 
 
+@pytest.fixture
+def one_process_group():
+    """Leave the in-process group after a test that ran workers in this process (world size 1)."""
+    import torch.distributed as dist
+
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def base_config(model_dir: Path, world: int = 2, tree_packing: bool = False, **actor_overrides) -> dict:
     """Padded layout by default (``tree_packing`` off): the tests of data-parallel exactness compare it with the
     padded one-process reference; the tree-packed update has its own tests."""
