@@ -7,6 +7,7 @@ Layout under ``trainer.default_local_dir`` (verl's)::
         actor/                            # DCP shards of model + optimizer (any world size can load them),
             .metadata, __*_*.distcp       #   contents.json, extra_state_world_size_W_rank_R.pt (scheduler, RNG)
             huggingface/                  # optional full HF export (save_contents: hf_model)
+                lora_adapter/             #   with LoRA: the adapter alone, peft's save_pretrained layout
         data.pt                           # dataloader position (epoch, batch index)
         trainer_state.pt                  # global step, driver RNG states, anything the trainer adds
 
@@ -15,6 +16,10 @@ directory is renamed to ``global_step_N`` (atomic on POSIX), and only then is th
 A crash leaves at worst a ``.tmp`` directory, which resume ignores and the next save removes. Resume picks
 the highest complete ``global_step_N``. Sharded files are written by every rank into the same directory,
 so multi-node training needs ``default_local_dir`` on a shared filesystem.
+
+With LoRA (``actor_rollout_ref.model.lora_rank`` > 0) the model shards are the adapters only: the base is frozen,
+so a resumed run reloads it from ``actor_rollout_ref.model.path`` (the worker's start-up) and takes the adapters,
+their optimizer state, the scheduler and the RNG states from here; the next update is the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Any
 import torch
 
 from arpo.seeding import rng_state, set_rng_state
+from arpo.trainer.lora import adapter_state, has_lora, is_adapter, save_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +73,9 @@ def save_sharded(worker: Any, actor_dir: str | Path, contents: list[str]) -> Non
     out.mkdir(parents=True, exist_ok=True)
     optimizers = [worker.optimizer] if worker.optimizer is not None and "optimizer" in contents else []
     model_sd, optim_sd = get_state_dict(worker.model, optimizers)
+    adapters_only = has_lora(worker.model)
+    if adapters_only:  # the frozen base is the model at actor_rollout_ref.model.path: no need to save it again
+        model_sd = adapter_state(model_sd)
     state: dict[str, Any] = {"model": model_sd}
     if optimizers:
         state["optim"] = optim_sd
@@ -78,7 +87,9 @@ def save_sharded(worker: Any, actor_dir: str | Path, contents: list[str]) -> Non
     if worker.rank == 0:
         (out / "contents.json").write_text(json.dumps({"contents": sorted(set(contents) | {"model"}),
                                                        "has_optimizer": bool(optimizers),
-                                                       "world_size": worker.world_size}))
+                                                       "world_size": worker.world_size,
+                                                       "adapters_only": adapters_only,
+                                                       "base_model": str(worker.cfg.model.path)}))
     if "hf_model" in contents:
         worker.export_hf(str(out / "huggingface"))
     dist.barrier()
@@ -87,7 +98,8 @@ def save_sharded(worker: Any, actor_dir: str | Path, contents: list[str]) -> Non
 def load_sharded(worker: Any, actor_dir: str | Path) -> None:
     """Load what :func:`save_sharded` wrote into ``worker`` (resharding to the current world size)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                         set_state_dict)
 
     src = Path(actor_dir)
     meta_file = src / "contents.json"
@@ -95,17 +107,23 @@ def load_sharded(worker: Any, actor_dir: str | Path) -> None:
         raise FileNotFoundError(f"{src} is not an actor checkpoint (no contents.json); point the resume at a "
                                 f"complete global_step_N directory")
     meta = json.loads(meta_file.read_text())
+    adapters_only = bool(meta.get("adapters_only", False))
+    _check_lora_match(worker, src, meta)
     use_optim = meta.get("has_optimizer", False) and worker.optimizer is not None
     optimizers = [worker.optimizer] if use_optim else []
     model_sd, optim_sd = get_state_dict(worker.model, optimizers)
+    if adapters_only:  # the base stays as the start-up loaded it from actor_rollout_ref.model.path
+        model_sd = adapter_state(model_sd)
     state: dict[str, Any] = {"model": model_sd}
     if use_optim:
         state["optim"] = optim_sd
     dcp.load(state, checkpoint_id=str(src))
+    options = StateDictOptions(strict=not adapters_only)
     if use_optim:
-        set_state_dict(worker.model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(worker.model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=options)
     else:
-        set_model_state_dict(worker.model, state["model"])
+        set_model_state_dict(worker.model, state["model"], options=options)
         if worker.optimizer is not None:
             logger.warning("checkpoint %s has no optimizer state: the optimizer starts fresh", src)
     if "extra" in meta.get("contents", []):
@@ -119,6 +137,41 @@ def load_sharded(worker: Any, actor_dir: str | Path) -> None:
             worker.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         if own.exists():
             _set_worker_rng_state(extra["rng"])
+
+
+def _check_lora_match(worker: Any, src: Path, meta: dict) -> None:
+    """An adapter-only checkpoint needs a LoRA worker on the same base; a full one loads into either (a LoRA
+    worker then takes its base weights too)."""
+    if meta.get("adapters_only") and not has_lora(worker.model):
+        raise ValueError(f"{src} holds LoRA adapters only (the run that wrote it had actor_rollout_ref.model."
+                         f"lora_rank > 0): resume it with the same lora_rank, lora_alpha and target_modules")
+    saved_base = meta.get("base_model")
+    if meta.get("adapters_only") and saved_base and saved_base != str(worker.cfg.model.path):
+        logger.warning("%s: adapters trained on %s, loaded onto actor_rollout_ref.model.path=%s (the base must be the "
+                       "same weights)", src, saved_base, worker.cfg.model.path)
+
+
+def export_worker_hf(worker: Any, out_dir: str | Path) -> str | None:
+    """The worker's model as an HF checkpoint in ``out_dir`` (:func:`export_hf_model`; with LoRA the merged model,
+    plus the adapter alone in ``out_dir/lora_adapter`` for peft). Collective; rank 0 writes and returns the path."""
+    from arpo.trainer.actor_update import full_tensor
+    from arpo.trainer.memory import release_memory
+
+    state = adapters = None
+    try:
+        if has_lora(worker.model):  # collective: every rank gathers each adapter whole
+            adapters = {n: full_tensor(p.detach()).cpu() for n, p in worker.model.named_parameters() if is_adapter(n)}
+        state = worker.state_dict_for_engine()
+        if state is None:
+            return None
+        out = export_hf_model(state, worker.model.config, worker.cfg.model.path, out_dir)
+        if adapters is not None:
+            m = worker.cfg.model
+            save_adapter(adapters, m.lora_rank, m.lora_alpha, m.target_modules, str(m.path), out / "lora_adapter")
+        return str(out)
+    finally:
+        state = adapters = None
+        release_memory()
 
 
 def export_hf_model(state: dict[str, torch.Tensor], config: Any, tokenizer_src: str | Path | None,

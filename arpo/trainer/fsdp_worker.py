@@ -442,19 +442,11 @@ class ActorWorker:
         release_memory()
 
     def export_hf(self, out_dir: str) -> str | None:
-        """``save_pretrained`` of the full model plus a copy of the tokenizer, loadable by transformers and
-        vLLM. Collective; rank 0 writes."""
-        from arpo.trainer.checkpoint import export_hf_model
+        """``save_pretrained`` of the full model (LoRA: merged; the adapter alone in ``lora_adapter/``) plus a copy
+        of the tokenizer, loadable by transformers and vLLM. Collective; rank 0 writes."""
+        from arpo.trainer.checkpoint import export_worker_hf
 
-        try:
-            state = self.state_dict_for_engine()
-            if state is None:
-                return None
-            return str(export_hf_model(state, self.model.config,
-                                       self.cfg.model.path, out_dir))
-        finally:
-            state = None
-            release_memory()
+        return export_worker_hf(self, out_dir)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter unsharded, on CPU (collective; tests and debugging)."""

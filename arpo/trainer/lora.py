@@ -11,7 +11,13 @@ weights. Only the adapters require grad, and the optimizer holds only them.
 The engine gets merged weights under the base model's names (:func:`lora_engine_tensors`): a wrapped linear's
 ``<name>.base_layer.weight`` is sent as ``<name>.weight`` = W + (alpha / r) B A, its bias as ``<name>.bias``; the
 adapter matrices themselves are not sent, so the engine loads them as a plain checkpoint. The HF export
-(``ActorWorker.export_hf``) writes the same merged model.
+(``ActorWorker.export_hf``) writes the same merged model, and the adapter alone in peft's ``save_pretrained`` layout
+in its ``lora_adapter/`` folder (:func:`save_adapter`).
+
+A reference policy, when a KL term needs one, is the actor's own model with the adapters disabled
+(:func:`adapters_disabled`): no reference worker group (``arpo.trainer.actor_config.reference_policy``). Checkpoints
+hold the adapters only (:func:`adapter_state`); the frozen base comes from ``actor_rollout_ref.model.path`` at
+start-up, as on the first run.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,12 +50,45 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: 
         torch.manual_seed(seed)
     model = inject_adapter_in_model(lora_config(rank, alpha, target_modules), model)
     for name, p in model.named_parameters():
-        p.requires_grad_(".lora_" in name)
+        p.requires_grad_(is_adapter(name))
     return model
 
 
 def has_lora(model: torch.nn.Module) -> bool:
     return any(".lora_A." in n for n, _ in model.named_parameters())
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_" in name
+
+
+def adapter_state(state: dict[str, Any]) -> dict[str, Any]:
+    """The adapter entries of a model state dict (what a LoRA checkpoint holds: the base is frozen)."""
+    return {n: t for n, t in state.items() if is_adapter(n)}
+
+
+def peft_name(name: str) -> str:
+    """An in-place adapter's parameter name as peft's ``save_pretrained`` writes it: under ``base_model.model.``
+    (the PeftModel wrapper), without the adapter name."""
+    for m in (".lora_A.", ".lora_B."):
+        name = name.replace(f"{m}default.", m)
+    return f"base_model.model.{name}"
+
+
+def save_adapter(tensors: dict[str, torch.Tensor], rank: int, alpha: float, target_modules: str | list[str],
+                 base_model: str, out_dir: str | Path) -> Path:
+    """``tensors`` (the adapters, unsharded) in peft's ``save_pretrained`` layout (``adapter_config.json`` +
+    ``adapter_model.safetensors``), which ``PeftModel.from_pretrained(base, out_dir)`` loads."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = lora_config(rank, alpha, target_modules)
+    config.base_model_name_or_path, config.task_type = str(base_model), "CAUSAL_LM"
+    config.save_pretrained(str(out))
+    save_file({peft_name(n): t.contiguous() for n, t in tensors.items()}, str(out / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    return out
 
 
 @contextlib.contextmanager
@@ -101,7 +141,7 @@ def lora_engine_tensors(model: torch.nn.Module, state: dict[str, torch.Tensor]) 
     scaling = {f"{n}{BASE}weight": m.scaling["default"] for n, m in model.named_modules() if isinstance(m, LoraLayer)}
     out: dict[str, Any] = {}
     for name, t in state.items():
-        if ".lora_" in name:
+        if is_adapter(name):
             continue
         if name in scaling:
             prefix = name[: -len(f"{BASE}weight")]
