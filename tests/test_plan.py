@@ -191,3 +191,31 @@ def test_cost_model_scales_with_its_stated_rates():
                                                                "weight_sync")))
     assert base["decoded_tokens"] == 128 * 16 * 2048
     assert math.isfinite(base["decode_tokens_per_s_per_gpu"]) and base["decode_tokens_per_s_per_gpu"] > 0
+
+
+def test_lora_plans_no_reference_copy_and_adapter_only_gradients_and_adamw():
+    """With LoRA the reference is the actor's base model (no reference copy, no reference process) and only the
+    adapters, counted as peft injects them, have gradients and AdamW state."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from arpo.trainer.lora import apply_lora
+
+    kl = [f"{UTIL}=0.9", "actor_rollout_ref.actor.use_kl_loss=true"]
+    full = build_plan(paper_cfg(*kl), 80 * GIB)
+    lora = build_plan(paper_cfg(*kl, "actor_rollout_ref.model.lora_rank=64"), 80 * GIB)
+    assert full.settings.reference and not lora.settings.reference
+    assert not any("reference" in name for name, _ in lora.gpu_tables[0].rows + lora.host)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(QWEN7B))
+    apply_lora(model, 64, 16, "all-linear")
+    m = lora.shapes
+    assert m.lora_numel(64, "all-linear") == sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
+    assert m.lora_numel(64, ["q_proj", "v_proj"]) == 64 * m.layers * (2 * m.hidden + m.heads * m.head_dim
+                                                                        + m.kv_hidden)
+    shard, adapters = m.shard_numel(8), math.ceil(m.lora_numel(64, "all-linear") / 8)
+    i, j = full.gpu_tables[0].phases.index("actor update"), lora.gpu_tables[0].phases.index("actor update")
+    # gone: AdamW m, v and the gradient of the base (12 B/param), the reference's weights (4 B/param) and its
+    # process's CUDA context; added: the adapters' weights, AdamW and gradient (16 B/param)
+    saved = 16 * shard + CUDA_CONTEXT_BYTES - 16 * adapters
+    assert full.gpu_tables[0].totals()[i] - lora.gpu_tables[0].totals()[j] == pytest.approx(saved)
+    assert not full.fits and lora.fits  # the run that needed use_kl_loss=false fits with LoRA

@@ -5,7 +5,8 @@ dtype's bytes, r the residual stream's (b on a GPU under FSDP2 mixed precision, 
 hidden, KV and MLP widths, L layers, V vocabulary, T tokens of a micro-batch = rows x (max prompt + max response)):
 
 * actor shards: 4s master weights + 8s AdamW m and v, + 4s gradients during the update; reference 4s; critic as
-  the actor with its value head. FSDP2 working set: the root unit (embeddings, head) and two decoder layers
+  the actor with its value head. With LoRA (``lora_rank`` > 0) gradients and AdamW state cover only the adapters
+  (a shard of r x (in + out) per wrapped linear), and there is no reference copy: the actor's base model serves. FSDP2 working set: the root unit (embeddings, head) and two decoder layers
   gathered in b, and in the backward the root's and one layer's unsharded gradients (b, plus 4 for a layer's
   fp32 reduce-scatter copy).
 * activations a decoder layer saves per token: norms 2(4h + bh) (HF's RMSNorm upcasts to fp32), attention
@@ -173,8 +174,14 @@ def training_gpu_table(m: ModelShapes, s: PlanSettings, gpu_bytes: float, with_e
     roles = 1 + s.reference + s.critic
     t.add(f"CUDA context x {roles} training process(es)", roles * CUDA_CONTEXT_BYTES)
     shard = m.shard_numel(ws)
-    t.add(f"actor fp32 weights + AdamW m, v (shard 1/{ws})", 12 * shard)
-    t.add("actor fp32 gradient shard", {"actor update": 4 * shard})
+    if s.lora_rank:  # only the adapters train: the frozen base has no gradient and no AdamW state
+        adapters = math.ceil(m.lora_numel(s.lora_rank, s.lora_targets) / ws)
+        t.add(f"actor fp32 frozen base weights (shard 1/{ws})", 4 * shard)
+        t.add(f"LoRA adapters fp32 + AdamW m, v (rank {s.lora_rank}, shard 1/{ws})", 12 * adapters)
+        t.add("LoRA adapters fp32 gradient shard", {"actor update": 4 * adapters})
+    else:
+        t.add(f"actor fp32 weights + AdamW m, v (shard 1/{ws})", 12 * shard)
+        t.add("actor fp32 gradient shard", {"actor update": 4 * shard})
     if s.reference:
         t.add(f"reference fp32 weights (shard 1/{ws})", 4 * shard)
     if s.critic:
@@ -234,8 +241,10 @@ def host_rows(m: ModelShapes, s: PlanSettings) -> list[tuple[str, float]]:
                          replicas * m.numel * s.engine_bytes))
     else:  # on a CPU every rank's state, activations and the engine live in host RAM
         shard = m.shard_numel(s.world_size)
-        per_rank = 16 * shard + gathered_param_bytes(m, s) + gathered_grad_bytes(m, s) + training_activation_bytes(
-            m, s, micro_tokens(s, s.micro_batch), s.gradient_checkpointing) + head_chunk_bytes(m, s, HEAD_BUFFERS_TRAIN)
+        trained = math.ceil(m.lora_numel(s.lora_rank, s.lora_targets) / s.world_size) if s.lora_rank else shard
+        per_rank = (4 * shard + 12 * trained + gathered_param_bytes(m, s) + gathered_grad_bytes(m, s)
+                    + training_activation_bytes(m, s, micro_tokens(s, s.micro_batch), s.gradient_checkpointing)
+                    + head_chunk_bytes(m, s, HEAD_BUFFERS_TRAIN))
         rows.append((f"{s.gpus_per_node} actor rank(s): shards, gradients, activations", s.gpus_per_node * per_rank))
         if s.reference:
             rows.append((f"{s.gpus_per_node} reference rank(s)", s.gpus_per_node * 4 * shard))

@@ -57,8 +57,10 @@ class PlanSettings:
     engine_bytes: int  # vLLM's dtype
     logprob_chunk: int
     tree_packing: bool
-    reference: bool
+    reference: bool  # a reference worker group (a KL term without LoRA; with LoRA the actor's base model serves)
     critic: bool
+    lora_rank: int  # 0: full fine-tuning; > 0: only adapters have gradients and AdamW state
+    lora_targets: str | tuple[str, ...]
     free_cache_engine: bool
     cuda_graphs: bool  # vLLM captures CUDA graphs (enforce_eager false, or null on a GPU)
     sleep_level: int
@@ -121,6 +123,8 @@ class PlanSettings:
             logprob_chunk=int(_get(cfg, "actor_rollout_ref.actor.logprob_chunk_size", 256)),
             tree_packing=tree == "true" or (tree == "auto" and not gpu),
             reference=needs_reference(cfg), critic=uses_critic(cfg),
+            lora_rank=int(_get(cfg, "actor_rollout_ref.model.lora_rank", 0)),
+            lora_targets=_lora_targets(_get(cfg, "actor_rollout_ref.model.target_modules", "all-linear")),
             free_cache_engine=bool(hybrid and gpu) if free_cache is None else bool(free_cache),
             cuda_graphs=gpu and not resolve_enforce_eager(_get(cfg, f"{r}.enforce_eager"), "cuda"),
             sleep_level=int(_get(cfg, f"{r}.sleep_level", 1)),
@@ -131,3 +135,7 @@ class PlanSettings:
             bucket_bytes=int(bucket_mb * 2**20),
             object_store_bytes=int(_get(cfg, "ray_init.object_store_memory", 2 * 2**30)),
             cpu_kvcache_bytes=int(float(kv_gb) * 2**30))
+
+
+def _lora_targets(value: Any) -> str | tuple[str, ...]:
+    return value if isinstance(value, str) else tuple(str(t) for t in value)

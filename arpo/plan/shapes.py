@@ -51,6 +51,17 @@ class ModelShapes:
         """vLLM's KV cache per token: a key and a value vector per KV head per layer."""
         return 2 * self.layers * self.kv_hidden * dtype_bytes
 
+    def lora_numel(self, rank: int, targets: str | tuple[str, ...]) -> int:
+        """Elements of the LoRA adapters (A: r x in, B: out x r per wrapped linear) of a Llama-style decoder
+        (q/k/v/o, gate/up/down projections); ``targets`` all-linear (every one, the LM head excluded, as peft) or
+        module names (others count nothing)."""
+        q = self.heads * self.head_dim
+        h, kv, i = self.hidden, self.kv_hidden, self.intermediate
+        dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        names = list(dims) if targets == "all-linear" else [t for t in targets if t in dims]
+        return rank * self.layers * sum(sum(dims[n]) for n in names)
+
     def critic_numel(self) -> int:
         """The critic (AutoModelForTokenClassification, one output): the backbone, a (1, hidden) value head for the
         LM head."""
