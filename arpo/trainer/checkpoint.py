@@ -140,11 +140,15 @@ def load_sharded(worker: Any, actor_dir: str | Path) -> None:
 
 
 def _check_lora_match(worker: Any, src: Path, meta: dict) -> None:
-    """An adapter-only checkpoint needs a LoRA worker on the same base; a full one loads into either (a LoRA
-    worker then takes its base weights too)."""
-    if meta.get("adapters_only") and not has_lora(worker.model):
-        raise ValueError(f"{src} holds LoRA adapters only (the run that wrote it had actor_rollout_ref.model."
-                         f"lora_rank > 0): resume it with the same lora_rank, lora_alpha and target_modules")
+    """An adapter-only checkpoint needs a LoRA worker (on the same base), a full one a worker without LoRA: the
+    parameter names differ (a wrapped linear's weight is ``<name>.base_layer.weight``)."""
+    if bool(meta.get("adapters_only")) != has_lora(worker.model):
+        if meta.get("adapters_only"):
+            raise ValueError(f"{src} holds LoRA adapters only (the run that wrote it had actor_rollout_ref.model."
+                             f"lora_rank > 0): resume it with the same lora_rank, lora_alpha and target_modules")
+        raise ValueError(f"{src} holds a full model written without LoRA: resume it with actor_rollout_ref.model."
+                         f"lora_rank=0, or train adapters on it by exporting it (save_contents: hf_model) and "
+                         f"pointing actor_rollout_ref.model.path at the export")
     saved_base = meta.get("base_model")
     if meta.get("adapters_only") and saved_base and saved_base != str(worker.cfg.model.path):
         logger.warning("%s: adapters trained on %s, loaded onto actor_rollout_ref.model.path=%s (the base must be the "

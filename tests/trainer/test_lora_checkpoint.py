@@ -75,12 +75,18 @@ def test_lora_checkpoint_holds_adapters_only_and_resumes_exactly(small_model, on
     assert m3_resumed["actor/pg_loss"] == m3["actor/pg_loss"]
 
 
-def test_adapter_only_checkpoint_refuses_a_full_model_worker(small_model, one_process_group, tmp_path):
+def test_lora_and_full_checkpoints_refuse_the_other_kind_of_worker(small_model, one_process_group, tmp_path):
     import pytest
 
-    _worker(_cfg(small_model)).save_checkpoint(str(tmp_path / "lora"), ["model"])
+    lora, full = _worker(_cfg(small_model)), _worker(_cfg(small_model, rank=0))
+    lora.save_checkpoint(str(tmp_path / "lora"), ["model"])
+    full.save_checkpoint(str(tmp_path / "full"), ["model"])
     with pytest.raises(ValueError, match="holds LoRA adapters only"):
-        _worker(_cfg(small_model, rank=0)).load_checkpoint(str(tmp_path / "lora"))
+        full.load_checkpoint(str(tmp_path / "lora"))
+    with pytest.raises(ValueError, match="holds a full model written without LoRA"):
+        lora.load_checkpoint(str(tmp_path / "full"))
+    full.load_checkpoint(str(tmp_path / "full"))  # each kind still loads its own
+    lora.load_checkpoint(str(tmp_path / "lora"))
 
 
 def test_lora_hf_export_has_a_peft_adapter_beside_the_merged_model(small_model, one_process_group, tmp_path):
