@@ -1,45 +1,31 @@
 """The ARPO tag protocol: one place that knows the tags, the result wrapper and the answer format.
 
-The model thinks in ``<think>…</think>``, calls tools with ``<search>query</search>`` or
-``<python>code</python>``, receives tool output appended by the rollout as `` <result>\\n…\\n</result>``
-(masked out of the loss), and ends with ``<answer>… \\boxed{…} </answer>``. The rollout, the SFT
-demonstrations, the rewards and the evaluation all import from here so the protocol cannot drift.
+The model thinks in ``<think>…</think>``, calls tools with their tags (``<search>query</search>``,
+``<python>code</python>``, or any tag a loaded tool declares: :class:`ToolProtocol`), receives tool output
+appended by the rollout as `` <result>\\n…\\n</result>`` (masked out of the loss), and ends with
+``<answer>… \\boxed{…} </answer>``. The rollout, the SFT demonstrations, the rewards and the evaluation all
+import from here so the protocol cannot drift.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
 
-#: tool tag name -> (open tag, close tag). The close tag is the engine's stop string for that tool.
-TOOL_TAGS: dict[str, tuple[str, str]] = {
-    "search": ("<search>", "</search>"),
-    "python": ("<python>", "</python>"),
-}
-
-#: Every tag the tiny tokenizer keeps as one token (real checkpoints split them; nothing depends on it).
-ALL_TAGS: list[str] = [
-    THINK_OPEN, THINK_CLOSE, ANSWER_OPEN, ANSWER_CLOSE, RESULT_OPEN, RESULT_CLOSE,
-    *(t for pair in TOOL_TAGS.values() for t in pair),
-]
+#: Tags the protocol itself uses: no tool may declare one of these names.
+RESERVED_TAGS = ("think", "answer", "result")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def stop_strings(tool_names: list[str] | None = None) -> list[str]:
-    """Close tags that stop generation so the rollout can run the tool call."""
-    names = list(TOOL_TAGS) if tool_names is None else tool_names
-    unknown = [n for n in names if n not in TOOL_TAGS]
-    if unknown:
-        raise ValueError(f"unknown tool tag(s) {unknown}; known: {sorted(TOOL_TAGS)}")
-    return [TOOL_TAGS[n][1] for n in names]
-
-
-def format_tool_result(text: str) -> str:
-    """The exact text appended after a tool call (ARPO's format, leading space included)."""
-    return f" {RESULT_OPEN}\n{text}\n{RESULT_CLOSE}"
+def tag_pair(tag: str) -> tuple[str, str]:
+    """The open and close tag of a tag name: ``convert`` -> (``<convert>``, ``</convert>``)."""
+    return f"<{tag}>", f"</{tag}>"
 
 
 @dataclass(frozen=True)
@@ -47,34 +33,142 @@ class MalformedCall:
     """A close tag without its open tag: no call to run; the trajectory gets an error text as its result."""
 
     tool: str
+    open_tag: str
+    close_tag: str
 
     def error_text(self) -> str:
-        open_tag, close_tag = TOOL_TAGS[self.tool]
-        return f"Error: malformed tool call: {close_tag} without a matching {open_tag}. Write {open_tag}...{close_tag}."
+        return (f"Error: malformed tool call: {self.close_tag} without a matching {self.open_tag}. "
+                f"Write {self.open_tag}...{self.close_tag}.")
 
 
 @dataclass(frozen=True)
 class ToolCall:
-    """A tool call found at the end of a generated segment."""
+    """A tool call found at the end of a generated segment (``tool``: the tool's name, not its tag)."""
 
     tool: str
     content: str
 
 
-def parse_trailing_tool_call(segment: str) -> ToolCall | None:
-    """Return the tool call a segment ends with (the engine stopped on its close tag), else None.
+class ToolProtocol:
+    """Which tag calls which tool: tool name -> tag name, built from the loaded tools (:meth:`from_tools`).
 
-    Only the last open tag before the trailing close tag counts, so earlier text (or an earlier call
-    whose result is already in the context) is never re-executed.
+    The one source of the tool tags: the rollout's stop strings and call parsing, the format gate and the
+    entropy probe all read them from here. A tool's tag is its ``tag`` attribute (a tool YAML entry's ``tag:``
+    sets it), else its ``name``; so ``search`` and ``python`` keep ``<search>`` and ``<python>``.
     """
-    stripped = segment.rstrip()
-    for name, (open_tag, close_tag) in TOOL_TAGS.items():
-        if stripped.endswith(close_tag):
-            start = stripped.rfind(open_tag, 0, len(stripped) - len(close_tag))
-            if start < 0:
-                return None
-            return ToolCall(name, stripped[start + len(open_tag): len(stripped) - len(close_tag)].strip())
-    return None
+
+    def __init__(self, tags: Mapping[str, str]):
+        """``tags``: tool name -> tag name, in load order (``tools[i]`` in errors is the i-th tool)."""
+        described = ", ".join(f"{name} <{tag}>" for name, tag in tags.items()) or "none"
+        first: dict[str, int] = {}
+        for i, (name, tag) in enumerate(tags.items()):
+            where = f"tools[{i}].tag ({name})"
+            if not isinstance(tag, str) or not _IDENTIFIER.fullmatch(tag):
+                raise ValueError(f"{where}: {tag!r} is not a simple identifier (letters, digits and _, not starting "
+                                 f"with a digit); loaded tools: {described}")
+            if tag in RESERVED_TAGS:
+                raise ValueError(f"{where}: {tag!r} is reserved by the protocol ({', '.join(RESERVED_TAGS)}); "
+                                 f"loaded tools: {described}")
+            if tag in first:
+                raise ValueError(f"{where}: {tag!r} is already the tag of tools[{first[tag]}]; each tool needs its "
+                                 f"own tag; loaded tools: {described}")
+            first[tag] = i
+        self.tags: dict[str, str] = dict(tags)
+        #: "name <tag>, ..." for error messages
+        self.described = described
+
+    @classmethod
+    def from_tools(cls, tools: Mapping[str, Any] | Iterable[Any]) -> "ToolProtocol":
+        """The protocol of loaded tools (a list, or a mapping such as a registry or an executor's tools).
+
+        A mapping may hold one tool under several keys (its name and its function name): it counts once,
+        under the key equal to its ``name`` when there is one (the key the executor runs it by)."""
+        if isinstance(tools, Mapping):
+            by_object: dict[int, tuple[str, Any]] = {}
+            for key, tool in tools.items():
+                if id(tool) not in by_object or key == getattr(tool, "name", None):
+                    by_object[id(tool)] = (key, tool)
+            named = list(by_object.values())
+        else:
+            named = [(tool.name, tool) for tool in tools]
+        return cls({name: getattr(tool, "tag", "") or name for name, tool in named})
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ToolProtocol) and self.tags == other.tags
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.tags.items()))
+
+    def __repr__(self) -> str:
+        return f"ToolProtocol({self.described})"
+
+    @property
+    def names(self) -> list[str]:
+        """The tool names, in load order."""
+        return list(self.tags)
+
+    def pair(self, name: str) -> tuple[str, str]:
+        """(open tag, close tag) of a tool; the close tag is the engine's stop string for that tool."""
+        if name not in self.tags:
+            raise ValueError(f"no loaded tool is named {name!r}, so it has no tag; loaded tools: {self.described}")
+        return tag_pair(self.tags[name])
+
+    def pairs(self) -> dict[str, tuple[str, str]]:
+        """Tool name -> (open tag, close tag), for every tool."""
+        return {name: tag_pair(tag) for name, tag in self.tags.items()}
+
+    def tool_of_tag(self, tag: str) -> str:
+        """The name of the tool a tag calls (ValueError naming the loaded tags when none declares it)."""
+        for name, own in self.tags.items():
+            if own == tag:
+                return name
+        raise ValueError(f"tag {tag!r}: no loaded tool declares it; loaded tools: {self.described}")
+
+    def all_tags(self) -> list[str]:
+        """Every open and close tag, tool by tool."""
+        return [t for pair in self.pairs().values() for t in pair]
+
+    def stop_strings(self, tool_names: Iterable[str] | None = None) -> list[str]:
+        """Close tags that stop generation so the rollout can run the tool call (all tools by default)."""
+        return [self.pair(n)[1] for n in (self.names if tool_names is None else tool_names)]
+
+    def malformed(self, name: str) -> MalformedCall:
+        return MalformedCall(name, *self.pair(name))
+
+    def parse_trailing_call(self, segment: str) -> ToolCall | None:
+        """Return the tool call a segment ends with (the engine stopped on its close tag), else None.
+
+        Only the last open tag before the trailing close tag counts, so earlier text (or an earlier call
+        whose result is already in the context) is never re-executed.
+        """
+        stripped = segment.rstrip()
+        for name, (open_tag, close_tag) in self.pairs().items():
+            if stripped.endswith(close_tag):
+                start = stripped.rfind(open_tag, 0, len(stripped) - len(close_tag))
+                if start < 0:
+                    return None
+                return ToolCall(name, stripped[start + len(open_tag): len(stripped) - len(close_tag)].strip())
+        return None
+
+
+#: The protocol of ARPO's own tools, where no tool list is given (rewards, SFT demonstrations, the tiny
+#: tokenizer's added tokens). Loaded tools build their own with :meth:`ToolProtocol.from_tools`.
+DEFAULT_PROTOCOL = ToolProtocol({"search": "search", "python": "python"})
+
+#: Every tag the tiny tokenizer keeps as one token (real checkpoints split them; nothing depends on it).
+ALL_TAGS: list[str] = [
+    THINK_OPEN, THINK_CLOSE, ANSWER_OPEN, ANSWER_CLOSE, RESULT_OPEN, RESULT_CLOSE, *DEFAULT_PROTOCOL.all_tags(),
+]
+
+
+def stop_strings(tool_names: list[str] | None = None) -> list[str]:
+    """The default protocol's stop strings (see :meth:`ToolProtocol.stop_strings`)."""
+    return DEFAULT_PROTOCOL.stop_strings(tool_names)
+
+
+def format_tool_result(text: str) -> str:
+    """The exact text appended after a tool call (ARPO's format, leading space included)."""
+    return f" {RESULT_OPEN}\n{text}\n{RESULT_CLOSE}"
 
 
 _BOXED = "\\boxed{"

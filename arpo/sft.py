@@ -33,7 +33,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from arpo.protocol import TOOL_TAGS, format_tool_result
+from arpo.protocol import DEFAULT_PROTOCOL, format_tool_result
 from tools.base import BaseTool
 
 logger = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ def build_demonstration(question: str, answer: str, plan: list[dict], tools: Map
 
 
 def _call(think: str, tool: str, content: str, tools: Mapping[str, BaseTool]) -> Segment:
-    open_tag, close_tag = TOOL_TAGS[tool]
+    open_tag, close_tag = DEFAULT_PROTOCOL.pair(tool)  # the demonstrations call search and python
     return Segment(f"{think} {open_tag} {content} {close_tag}", True)
 
 

@@ -3,8 +3,9 @@
 A response is well formed when, reading its tags in order:
 
 - ``<think>…</think>`` blocks are balanced, never nested, and there is at least one;
-- every ``<search>``/``<python>`` call is closed and followed, with only whitespace between, by a
-  ``<result>…</result>`` block (the rollout appends `` <result>\\n…\\n</result>`` right after the call);
+- every tool call (``<search>``, ``<python>``, or the tags of the loaded tools' :class:`~arpo.protocol.ToolProtocol`
+  when one is given) is closed and followed, with only whitespace between, by a ``<result>…</result>`` block
+  (the rollout appends `` <result>\\n…\\n</result>`` right after the call);
 - there is exactly one ``<answer>…</answer>``, outside any ``<think>``, with no other tag inside, and
   it holds a ``\\boxed{…}`` with balanced braces.
 
@@ -35,25 +36,32 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Callable
 
-from arpo.protocol import RESULT_CLOSE, RESULT_OPEN, TOOL_TAGS, extract_answer, extract_boxed
+from arpo.protocol import DEFAULT_PROTOCOL, RESERVED_TAGS, RESULT_CLOSE, RESULT_OPEN, ToolProtocol, extract_answer, \
+    extract_boxed
 
 #: Score for a badly formatted response (ARPO's).
 BAD_FORMAT_SCORE = -1.0
 
-_TAG_NAMES = ("think", "answer", "result", *TOOL_TAGS)
-_TAG_RE = re.compile(r"<(/?)(" + "|".join(map(re.escape, _TAG_NAMES)) + r")>")
-_LENIENT_CALL_RE = re.compile(
-    r"<(" + "|".join(map(re.escape, TOOL_TAGS)) + r")>(.*?)</\1>\s*" + re.escape(RESULT_OPEN) + r"(.*?)"
-    + re.escape(RESULT_CLOSE),
-    re.S,
-)
+
+@lru_cache(maxsize=16)
+def _patterns(protocol: ToolProtocol) -> tuple[re.Pattern, re.Pattern | None]:
+    """Every tag the gate reads, and a tool call followed by its result (None without tools)."""
+    tool_tags = list(protocol.tags.values())
+    tag_re = re.compile(r"<(/?)(" + "|".join(map(re.escape, (*RESERVED_TAGS, *tool_tags))) + r")>")
+    lenient = re.compile(
+        r"<(" + "|".join(map(re.escape, tool_tags)) + r")>(.*?)</\1>\s*" + re.escape(RESULT_OPEN) + r"(.*?)"
+        + re.escape(RESULT_CLOSE),
+        re.S,
+    ) if tool_tags else None
+    return tag_re, lenient
 
 
 @dataclass(frozen=True)
 class ToolUse:
-    """One tool call in the text together with the result the rollout appended."""
+    """One tool call in the text together with the result the rollout appended (``tool``: the tool's name)."""
 
     tool: str
     query: str
@@ -70,19 +78,21 @@ class FormatCheck:
     tool_uses: tuple[ToolUse, ...] = ()
 
 
-def check_format(text: str) -> FormatCheck:
-    """Validate an ARPO response (see the module docstring for the rules); never raises."""
+def check_format(text: str, protocol: ToolProtocol = DEFAULT_PROTOCOL) -> FormatCheck:
+    """Validate an ARPO response (see the module docstring for the rules) whose tool calls use ``protocol``'s
+    tags; never raises."""
 
     def bad(reason: str) -> FormatCheck:
         return FormatCheck(False, reason)
 
+    tag_re = _patterns(protocol)[0]
     uses: list[ToolUse] = []
     in_think = False
     n_think = 0
     answer_start: int | None = None
     answer_body: str | None = None
     pos = 0
-    while (m := _TAG_RE.search(text, pos)) is not None:
+    while (m := tag_re.search(text, pos)) is not None:
         closing, name = m.group(1) == "/", m.group(2)
         pos = m.end()
         if answer_start is not None and not (closing and name == "answer"):
@@ -111,12 +121,13 @@ def check_format(text: str) -> FormatCheck:
         else:
             if closing:
                 return bad(f"</{name}> without <{name}>")
-            close_tag = TOOL_TAGS[name][1]
+            tool = protocol.tool_of_tag(name)
+            close_tag = protocol.pair(tool)[1]
             end = text.find(close_tag, m.end())
             if end < 0:
                 return bad(f"<{name}> call is never closed")
             query = text[m.end(): end]
-            if _TAG_RE.search(query):
+            if tag_re.search(query):
                 return bad(f"tag inside a <{name}> call")
             after_call = end + len(close_tag)
             rest = text[after_call:]
@@ -126,7 +137,7 @@ def check_format(text: str) -> FormatCheck:
             result_end = text.find(RESULT_CLOSE, result_start)
             if result_end < 0:
                 return bad("<result> is never closed")
-            uses.append(ToolUse(name, query.strip(), text[result_start:result_end].strip()))
+            uses.append(ToolUse(tool, query.strip(), text[result_start:result_end].strip()))
             pos = result_end + len(RESULT_CLOSE)
     if answer_start is not None:
         return bad("<answer> is never closed")
@@ -142,14 +153,20 @@ def check_format(text: str) -> FormatCheck:
     return FormatCheck(True, "ok", boxed, tuple(uses))
 
 
-def lenient_tool_uses(text: str) -> tuple[ToolUse, ...]:
+def lenient_tool_uses(text: str, protocol: ToolProtocol = DEFAULT_PROTOCOL) -> tuple[ToolUse, ...]:
     """Tool calls immediately followed by a result, found without requiring the whole text to be valid."""
-    return tuple(ToolUse(m.group(1), m.group(2).strip(), m.group(3).strip()) for m in _LENIENT_CALL_RE.finditer(text))
+    lenient = _patterns(protocol)[1]
+    if lenient is None:
+        return ()
+    return tuple(ToolUse(protocol.tool_of_tag(m.group(1)), m.group(2).strip(), m.group(3).strip())
+                 for m in lenient.finditer(text))
 
 
-def count_real_tool_calls(uses: tuple[ToolUse, ...], extra_info: dict[str, Any] | None = None) -> dict[str, int]:
-    """Per tool, the calls that really ran: the rollout's record when given, else calls with query and result."""
-    counts = {name: 0 for name in TOOL_TAGS}
+def count_real_tool_calls(uses: tuple[ToolUse, ...], extra_info: dict[str, Any] | None = None,
+                          protocol: ToolProtocol = DEFAULT_PROTOCOL) -> dict[str, int]:
+    """Per tool of ``protocol``, the calls that really ran: the rollout's record when given, else calls with
+    query and result."""
+    counts = {name: 0 for name in protocol.names}
     record = (extra_info or {}).get("tool_calls")
     if record is not None:
         for call in record:
@@ -171,18 +188,19 @@ def score_with_gate(
     require_format: bool = True,
     bad_format_score: float = BAD_FORMAT_SCORE,
     score_key: str = "acc",
+    protocol: ToolProtocol = DEFAULT_PROTOCOL,
 ) -> dict[str, Any]:
     """Gate, grade, bonus: the shape every agentic reward here shares.
 
     ``grade(answer)`` returns ``acc``, ``em`` and ``f1``; the score is the one named by ``score_key``.
     Bad format scores ``bad_format_score`` with all metrics 0 unless ``require_format`` is False (then
     the last boxed answer is graded anyway — useful for evaluation). ``tool_bonus`` is added when
-    that metric is > 0 and both search and python really ran.
+    that metric is > 0 and every tool of ``protocol`` really ran (by default: search and python, ARPO's).
     """
-    check = check_format(solution_str)
+    check = check_format(solution_str, protocol)
     answer = check.answer if check.ok else (None if require_format else extract_answer(solution_str))
-    uses = check.tool_uses if check.ok else lenient_tool_uses(solution_str)
-    counts = count_real_tool_calls(uses, extra_info)
+    uses = check.tool_uses if check.ok else lenient_tool_uses(solution_str, protocol)
+    counts = count_real_tool_calls(uses, extra_info, protocol)
     result: dict[str, Any] = {
         "score": 0.0, "acc": 0.0, "em": 0.0, "f1": 0.0, "format_ok": float(check.ok),
         "format_reason": check.reason, "answer": answer or "", "num_search": counts.get("search", 0),
@@ -194,7 +212,7 @@ def score_with_gate(
     if answer is not None:
         result.update({k: float(v) for k, v in grade(answer).items()})
     correctness = result[score_key]
-    bonus = tool_bonus if correctness > 0 and all(counts.get(t, 0) > 0 for t in TOOL_TAGS) else 0.0
+    bonus = tool_bonus if correctness > 0 and all(counts.get(t, 0) > 0 for t in protocol.names) else 0.0
     result["tool_bonus"] = float(bonus)
     result["score"] = correctness + bonus
     return result

@@ -1,6 +1,6 @@
 """The tool interface shared by the ARPO rollout (tag calls) and the agent loop (function calls).
 
-A tool is one object with two entry points: ``call_text`` takes the raw text inside an ARPO tag
+A tool is one object with two entry points: ``call_text`` takes the raw text inside its ARPO tag
 (``<search>query</search>`` → ``"query"``), ``call`` takes OpenAI-style function arguments. Both return
 text for the model and never raise: failures become readable text in the trajectory.
 """
@@ -12,10 +12,14 @@ from typing import Any
 
 
 class BaseTool(ABC):
-    """A tool addressable by ARPO tag name and by OpenAI function name."""
+    """A tool addressable by ARPO tag and by OpenAI function name."""
 
-    #: ARPO tag name (``search``, ``python``); also the function name unless the schema says otherwise.
+    #: the tool's name (``search``, ``python``): its key in the registry and in the rollout's tool-call
+    #: records; also the function name unless the schema says otherwise.
     name: str = ""
+    #: the ARPO tag the model writes to call it (``convert``: ``<convert>…</convert>``); empty: ``name``.
+    #: A tool YAML entry's ``tag:`` overrides it (:class:`arpo.protocol.ToolProtocol` reads it).
+    tag: str = ""
 
     def __init__(self, config: dict[str, Any] | None = None, tool_schema: dict[str, Any] | None = None):
         self.config = dict(config or {})

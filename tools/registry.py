@@ -4,26 +4,27 @@
       - class_name: tools.search.tool.SearchTool
         config: {backend: {type: bm25, corpus_path: data/corpus.jsonl}}
         tool_schema: {...}          # optional OpenAI function schema; the class supplies a default
+      - class_name: examples.unit_converter_tool.UnitConverterTool
+        tag: convert                # optional ARPO tag (<convert>…</convert>); default: the class's tag or name
 
-The ARPO rollout looks tools up by tag (``registry["search"]`` for ``<search>…</search>``), the agent
-loop by function name (``registry.by_function("web_search")`` when a schema renames it); both get the
-same object. Every validation error names the entry and field (``tools[1].class_name``) and the fix.
+The ARPO rollout looks tools up by name (``registry["search"]``; ``registry.protocol`` says which tag calls
+which tool), the agent loop by function name (``registry.by_function("web_search")`` when a schema renames
+it); both get the same object. Every validation error names the entry and field (``tools[1].class_name``)
+and the fix.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
-import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterator
 
+from arpo.protocol import ToolProtocol
 from tools.base import BaseTool
 
-logger = logging.getLogger(__name__)
-
-_ENTRY_KEYS = {"class_name", "config", "tool_schema"}
+_ENTRY_KEYS = {"class_name", "config", "tool_schema", "tag"}
 
 
 class ToolConfigError(ValueError):
@@ -31,60 +32,72 @@ class ToolConfigError(ValueError):
 
 
 class ToolRegistry(Mapping):
-    """Tag name -> tool (iteration yields tag names); ``by_function`` looks up by function name."""
+    """Tool name -> tool (iteration yields names); ``by_function`` looks up by function name, ``protocol``
+    maps each tool to its ARPO tag."""
 
     def __init__(self, tools: list[BaseTool]):
-        self._by_tag: dict[str, BaseTool] = {}
+        self._by_name: dict[str, BaseTool] = {}
         self._by_function: dict[str, BaseTool] = {}
-        for tool in tools:
-            if tool.name in self._by_tag:
-                raise ToolConfigError(f"two tools use the tag name {tool.name!r}; each ARPO tag needs one tool")
+        for i, tool in enumerate(tools):
+            if tool.name in self._by_name:
+                first = list(self._by_name).index(tool.name)
+                raise ToolConfigError(f"tools[{i}]: two tools use the name {tool.name!r} (tools[{first}] too); the "
+                                      "registry and the rollout's records key tools by name, so each needs its own")
             if tool.function_name in self._by_function:
                 raise ToolConfigError(f"two tools use the function name {tool.function_name!r}; "
                                       "rename one in its tool_schema.function.name")
-            self._by_tag[tool.name] = tool
+            self._by_name[tool.name] = tool
             self._by_function[tool.function_name] = tool
+        try:
+            self.protocol = ToolProtocol.from_tools(tools)
+        except ValueError as e:
+            raise ToolConfigError(str(e)) from e
 
     def __getitem__(self, name: str) -> BaseTool:
-        """Look up by tag name first, then by function name."""
-        if name in self._by_tag:
-            return self._by_tag[name]
+        """Look up by tool name first, then by function name."""
+        if name in self._by_name:
+            return self._by_name[name]
         if name in self._by_function:
             return self._by_function[name]
-        raise KeyError(f"no tool named {name!r}; tags: {sorted(self._by_tag)}, functions: {sorted(self._by_function)}")
+        raise KeyError(f"no tool named {name!r}; tags: {sorted(self._by_name)}, functions: {sorted(self._by_function)}")
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._by_tag)
+        return iter(self._by_name)
 
     def __len__(self) -> int:
-        return len(self._by_tag)
+        return len(self._by_name)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._by_tag or name in self._by_function
+        return name in self._by_name or name in self._by_function
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._by_name)
 
     @property
     def tags(self) -> list[str]:
-        return list(self._by_tag)
+        """The ARPO tag of each tool, in load order."""
+        return list(self.protocol.tags.values())
 
     def by_tag(self, tag: str) -> BaseTool:
-        return self._by_tag[tag]
+        return self._by_name[self.protocol.tool_of_tag(tag)]
 
     def by_function(self, function_name: str) -> BaseTool:
         return self._by_function[function_name]
 
     def schemas(self) -> list[dict[str, Any]]:
         """OpenAI function schemas of all tools (for chat templates / the agent loop)."""
-        return [t.tool_schema for t in self._by_tag.values()]
+        return [t.tool_schema for t in self._by_name.values()]
 
     def call(self, name: str, arguments: dict[str, Any] | str) -> str:
-        """Run a tool by tag (text content) or function name (argument dict); unknown names become text."""
+        """Run a tool by name (text content) or function name (argument dict); unknown names become text."""
         if name not in self:
-            return f"Error: there is no tool named '{name}'. Available tools: {', '.join(sorted(self._by_tag))}."
+            return f"Error: there is no tool named '{name}'. Available tools: {', '.join(sorted(self._by_name))}."
         tool = self[name]
         return tool.call_text(arguments) if isinstance(arguments, str) else tool.call(arguments)
 
     async def acall(self, name: str, content: str) -> str:
-        """Async tag call: the tool's own ``acall_text`` if it has one, else ``call_text`` in a worker thread."""
+        """Async text call by name: the tool's own ``acall_text`` if it has one, else ``call_text`` in a worker thread."""
         if name not in self:
             return self.call(name, content)
         tool = self[name]
@@ -94,7 +107,7 @@ class ToolRegistry(Mapping):
         return await asyncio.to_thread(tool.call_text, content)
 
     def close(self) -> None:
-        for tool in self._by_tag.values():
+        for tool in self._by_name.values():
             tool.close()
 
 
@@ -167,13 +180,12 @@ def build_tool(entry: Any, where: str = "tools[0]") -> BaseTool:
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise ToolConfigError(f"{where}.config ({entry['class_name']}): {e}") from e
     if not tool.name:
-        raise ToolConfigError(f"{where}.class_name: {entry['class_name']} has an empty 'name' (its ARPO tag)")
+        raise ToolConfigError(f"{where}.class_name: {entry['class_name']} has an empty 'name'")
     _check_schema(tool.tool_schema, where)
-    from arpo.protocol import TOOL_TAGS
-
-    if tool.name not in TOOL_TAGS:
-        logger.warning("tool %r has no ARPO tag in arpo.protocol.TOOL_TAGS; only function calls can reach it",
-                       tool.name)
+    if "tag" in entry:
+        # an instance attribute: two entries of one class may take different tags. The registry checks the
+        # tags against each other (ToolProtocol), so its error can list every loaded tool.
+        tool.tag = entry["tag"]
     return tool
 
 

@@ -16,7 +16,6 @@ from typing import Any
 from arpo.agent_loop.base import AgentLoopBase, AgentLoopContext, AgentLoopOutput, register
 from arpo.agent_loop.server_manager import SessionEngine
 from arpo.engine.base import SamplingParams
-from arpo.protocol import TOOL_TAGS
 from arpo.rollout.arpo_rollout import RolloutCall
 from arpo.rollout.config import ARPORolloutConfig
 
@@ -34,9 +33,8 @@ class ARPOAgentLoop(AgentLoopBase):
     def __init__(self, context: AgentLoopContext, rollout: dict[str, Any] | ARPORolloutConfig | None = None):
         super().__init__(context)
         self.cfg = rollout if isinstance(rollout, ARPORolloutConfig) else ARPORolloutConfig.from_dict(rollout)
-        if not any(n in TOOL_TAGS for n in context.tool_executor.tool_names):
-            raise ValueError(f"arpo_agent needs a tool named by an ARPO tag {sorted(TOOL_TAGS)}; the manager has "
-                             f"{sorted(context.tool_executor.tool_names)}")
+        if not context.tool_executor.protocol.names:  # building the protocol also checks the tools' tags
+            raise ValueError("arpo_agent needs a tool named by an ARPO tag; the manager has no tools")
 
     async def run(self, messages: list[dict[str, Any]], sampling_params: SamplingParams, *, n: int = 1,
                   group: int = 0, call_seed: int | None = None, rollout_overrides: dict[str, Any] | None = None,

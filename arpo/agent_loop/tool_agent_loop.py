@@ -65,7 +65,9 @@ class ToolAgentLoop(AgentLoopBase):
         super().__init__(context, **kwargs)
         #: the tool-call format of this loop (overrides multi_turn.format; the ARPO entry uses arpo_tags).
         self.format = format or context.multi_turn.format
-        self.parser = make_tool_parser(self.format, sorted(context.tools))
+        # the tags are read only for arpo_tags, so hermes tools need no usable tag
+        protocol = context.tool_executor.protocol if self.format == "arpo_tags" else None
+        self.parser = make_tool_parser(self.format, sorted(context.tools), protocol)
 
     # ------------------------------------------------------------------------------------- run
 

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from arpo.protocol import TOOL_TAGS, parse_trailing_tool_call
+from arpo.protocol import DEFAULT_PROTOCOL, ToolProtocol
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_RE = re.compile(re.escape(HERMES_OPEN) + r"(.*?)" + re.escape(HERMES_CLOSE), re.S)
@@ -66,23 +66,26 @@ class HermesToolParser:
 
 
 class ArpoTagParser:
-    """ARPO's ``<search>query</search>`` / ``<python>code</python>``: one call ending the segment.
+    """ARPO's tag calls (``<search>query</search>``, ``<python>code</python>``, or the tags of ``protocol``, the
+    loaded tools'): one call ending the segment.
 
     Generation stops on the close tag (the stop strings below), so a call can only be the segment's tail.
     """
 
-    def __init__(self, tool_names: list[str]):
-        self.tool_names = sorted(n for n in tool_names if n in TOOL_TAGS)
-        self.stop_strings = tuple(TOOL_TAGS[n][1] for n in self.tool_names)
+    def __init__(self, tool_names: list[str], protocol: ToolProtocol | None = None):
+        # without a protocol: the default tags of the named tools that have one (search, python)
+        self.protocol = protocol or ToolProtocol({n: t for n, t in DEFAULT_PROTOCOL.tags.items() if n in tool_names})
+        self.tool_names = sorted(self.protocol.names)
+        self.stop_strings = tuple(self.protocol.stop_strings(self.tool_names))
 
     def parse(self, text: str) -> list[ParsedCall]:
         stripped = text.rstrip()
-        closing = next((name for name, (_, close) in TOOL_TAGS.items() if stripped.endswith(close)), None)
+        closing = next((name for name, (_, close) in self.protocol.pairs().items() if stripped.endswith(close)), None)
         if closing is None:
             return []
-        call = parse_trailing_tool_call(stripped)
+        call = self.protocol.parse_trailing_call(stripped)
         if call is None:
-            open_tag, close_tag = TOOL_TAGS[closing]
+            open_tag, close_tag = self.protocol.pair(closing)
             return [ParsedCall(closing, error=f"Error: {close_tag} without a matching {open_tag}; "
                                               f"write {open_tag}...{close_tag}.")]
         if call.tool not in self.tool_names:
@@ -93,9 +96,11 @@ class ArpoTagParser:
         return [ParsedCall(call.tool, {"content": call.content}, text=call.content)]
 
 
-def make_tool_parser(fmt: str, tool_names: list[str]) -> HermesToolParser | ArpoTagParser:
+def make_tool_parser(fmt: str, tool_names: list[str],
+                     protocol: ToolProtocol | None = None) -> HermesToolParser | ArpoTagParser:
+    """``protocol``: the loaded tools' tags, for ``arpo_tags`` (default: search and python's)."""
     if fmt == "hermes":
         return HermesToolParser(tool_names)
     if fmt == "arpo_tags":
-        return ArpoTagParser(tool_names)
+        return ArpoTagParser(tool_names, protocol)
     raise ValueError(f"multi_turn.format={fmt!r}: use 'hermes' or 'arpo_tags'")

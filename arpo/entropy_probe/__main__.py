@@ -34,6 +34,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--before", type=int, default=20, help="model tokens drawn before the result")
     parser.add_argument("--after", type=int, default=50, help="model tokens drawn after the result")
     parser.add_argument("--limit", type=int, default=None, help="trajectories read per file (its first)")
+    parser.add_argument("--tool-tags", nargs="+", default=None, metavar="NAME=TAG",
+                        help="the run's tools and their ARPO tags, e.g. search python unit_converter=convert "
+                             "(a bare NAME is its own tag; default: search python)")
     parser.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per forward pass")
     parser.add_argument("--max-length", type=int, default=None, help="tokens scored per trajectory (its first)")
     parser.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples")
@@ -43,12 +46,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     from arpo.config import ConfigError
     from arpo.entropy_probe import load_model, plot, probe, read_trajectories
     from arpo.logging_utils import setup_logging
+    from arpo.protocol import DEFAULT_PROTOCOL, ToolProtocol
     from arpo.tracking import json_safe
 
     setup_logging()
     model, tokenizer = load_model(args.model, args.dtype, args.device) if args.model else (None, None)
     try:
-        trajectories = [t for path in args.trajectories for t in read_trajectories(path, tokenizer, args.limit)]
+        protocol = DEFAULT_PROTOCOL if args.tool_tags is None else ToolProtocol(
+            {name: tag or name for name, _, tag in (item.partition("=") for item in args.tool_tags)})
+        trajectories = [t for path in args.trajectories
+                        for t in read_trajectories(path, tokenizer, args.limit, protocol)]
         vocab = args.vocab_size or (len(tokenizer) if tokenizer is not None else None)
         summary = probe(trajectories, model, vocab, args.topk, args.window, args.reduction, args.before,
                         args.after, args.seed, args.batch_tokens, args.max_length, args.resamples)

@@ -12,7 +12,8 @@ tokens, the tool results' positions):
   (``conversations`` with ``from``/``value``; ``gpt`` and ``tool``/``observation``/``function``).
 
 Text is tokenised piece by piece (prompt, each model span, each result), as the rollout appends them, and the tag
-protocol (:mod:`arpo.protocol`) says which pieces are results and which tool a result answers.
+protocol (:class:`arpo.protocol.ToolProtocol`: search and python's tags unless the run's tools are given) says which
+pieces are results and which tool a result answers.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from arpo.protocol import RESULT_CLOSE, RESULT_OPEN, THINK_CLOSE, TOOL_TAGS, format_tool_result
+from arpo.protocol import DEFAULT_PROTOCOL, RESULT_CLOSE, RESULT_OPEN, THINK_CLOSE, ToolProtocol, format_tool_result
 
 #: a tool result as the rollout appends it (format_tool_result: leading space, newlines around the text)
 _RESULT_RE = re.compile(r"\s?" + re.escape(RESULT_OPEN) + r".*?" + re.escape(RESULT_CLOSE), re.S)
@@ -60,16 +61,16 @@ class Trajectory:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def _tool_of(model_text: str) -> tuple[str, int | None]:
+def _tool_of(model_text: str, protocol: ToolProtocol) -> tuple[str, int | None]:
     """The tool whose close tag ends ``model_text`` last, and the character where its open tag starts."""
     best, at = "unknown", -1
-    for name, (open_tag, close_tag) in TOOL_TAGS.items():
+    for name, (open_tag, close_tag) in protocol.pairs().items():
         close = model_text.rfind(close_tag)
         if close > at:
             best, at = name, close
     if best == "unknown":
         return best, None
-    start = model_text.rfind(TOOL_TAGS[best][0], 0, at)
+    start = model_text.rfind(protocol.pair(best)[0], 0, at)
     return best, start if start >= 0 else None
 
 
@@ -87,9 +88,10 @@ def _token_at(offsets: list[tuple[int, int]], char: int) -> int:
 
 
 def from_pieces(name: str, tokenizer, prompt_ids: list[int], pieces: Iterable[tuple[str, str]],
-                meta: dict[str, Any] | None = None) -> Trajectory:
+                meta: dict[str, Any] | None = None, protocol: ToolProtocol = DEFAULT_PROTOCOL) -> Trajectory:
     """A trajectory from the prompt's ids and the response's pieces, ``("model", text)`` or ``("result", text)``
-    (a result's full text, tags included). Each piece is tokenised on its own, as the rollout appends them."""
+    (a result's full text, tags included). Each piece is tokenised on its own, as the rollout appends them;
+    ``protocol``'s tags tell which tool each result answers."""
     ids, mask, results = list(prompt_ids), [False] * len(prompt_ids), []
     think_end, last_model = None, None  # last_model: (text, first position, offsets) of the latest model piece
     for kind, text in pieces:
@@ -105,7 +107,7 @@ def from_pieces(name: str, tokenizer, prompt_ids: list[int], pieces: Iterable[tu
         elif kind == "result":
             tool, call_start = "unknown", first
             if last_model is not None:
-                tool, char = _tool_of(last_model[0])
+                tool, char = _tool_of(last_model[0], protocol)
                 if char is not None:
                     call_start = last_model[1] + _token_at(last_model[2], char)
             results.append(ToolResult(tool, call_start, first, first + len(piece_ids)))
@@ -130,7 +132,8 @@ def _chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
 
 
-def from_messages(name: str, tokenizer, messages: list[dict[str, Any]]) -> Trajectory:
+def from_messages(name: str, tokenizer, messages: list[dict[str, Any]],
+                  protocol: ToolProtocol = DEFAULT_PROTOCOL) -> Trajectory:
     """OpenAI ``messages`` (or ShareGPT turns already renamed): the turns before the first assistant turn are the
     prompt (the chat template with the generation prompt), then assistant turns are model text and tool turns
     results (``content`` wrapped by :func:`arpo.protocol.format_tool_result` unless it already holds the tags)."""
@@ -149,7 +152,7 @@ def from_messages(name: str, tokenizer, messages: list[dict[str, Any]]) -> Traje
             pieces.append(("result", text if RESULT_OPEN in text else format_tool_result(text)))
         else:
             raise ValueError(f"{name}: role {m['role']!r} after the first assistant turn; use 'assistant' or 'tool'")
-    return from_pieces(name, tokenizer, _chat_prompt_ids(tokenizer, prompt), pieces)
+    return from_pieces(name, tokenizer, _chat_prompt_ids(tokenizer, prompt), pieces, protocol=protocol)
 
 
 def from_rollout_row(name: str, row: dict[str, Any]) -> Trajectory | None:
@@ -183,9 +186,11 @@ def _format_of(row: dict[str, Any]) -> str:
     return "unknown"
 
 
-def read_trajectories(path: str | Path, tokenizer=None, limit: int | None = None) -> list[Trajectory]:
+def read_trajectories(path: str | Path, tokenizer=None, limit: int | None = None,
+                      protocol: ToolProtocol = DEFAULT_PROTOCOL) -> list[Trajectory]:
     """Every trajectory of one JSONL file (or every ``*.jsonl`` of a folder, e.g. an eval run's ``samples/``),
-    its format told by the first row's fields. ``tokenizer`` is needed for every format but rollout dumps."""
+    its format told by the first row's fields. ``tokenizer`` is needed for every format but rollout dumps;
+    ``protocol``: the run's tool tags (rollout dumps name their tools themselves)."""
     path = Path(path)
     files = sorted(path.rglob("*.jsonl")) if path.is_dir() else [path]
     if not files:
@@ -205,12 +210,13 @@ def read_trajectories(path: str | Path, tokenizer=None, limit: int | None = None
             elif fmt == "eval":
                 prompt_ids = _encode(tokenizer, str(row["prompt"]))[0]
                 traj = from_pieces(name, tokenizer, prompt_ids, split_response(str(row["response"])),
-                                   meta={"data_source": row.get("data_source"), "benchmark": row.get("benchmark")})
+                                   meta={"data_source": row.get("data_source"), "benchmark": row.get("benchmark")},
+                                   protocol=protocol)
             elif fmt == "messages":
-                traj = from_messages(name, tokenizer, row["messages"])
+                traj = from_messages(name, tokenizer, row["messages"], protocol)
             elif fmt == "sharegpt":
                 turns = [{"role": t.get("from"), "content": t.get("value")} for t in row["conversations"]]
-                traj = from_messages(name, tokenizer, turns)
+                traj = from_messages(name, tokenizer, turns, protocol)
             else:
                 raise ValueError(f"{file}:{i + 1}: unknown trajectory format (fields {sorted(row)[:8]}); give rollout "
                                  f"rows (token_entropy, tool_calls), eval records (prompt, response), 'messages' or "

@@ -17,8 +17,10 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Iterable, Mapping
 
+from arpo.protocol import ToolProtocol
 from tools.base import BaseTool
 
 logger = logging.getLogger(__name__)
@@ -88,6 +90,11 @@ class ToolExecutor:
     @property
     def tool_names(self) -> list[str]:
         return list(self.tools)
+
+    @cached_property
+    def protocol(self) -> ToolProtocol:
+        """The ARPO tags of these tools; built on first use, so function-call-only paths never check tags."""
+        return ToolProtocol.from_tools(self.tools)
 
     async def arun(self, tool: str, content: str | dict[str, Any]) -> ToolResult:
         """Run one call (retrying as configured) without blocking the event loop; ``content`` is a tag's text

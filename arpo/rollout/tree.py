@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 
 from arpo.batch import Trajectory
 from arpo.engine.base import GenerationOutput, sampled_log_probs
-from arpo.protocol import TOOL_TAGS, MalformedCall, ToolCall, format_tool_result, parse_trailing_tool_call
+from arpo.protocol import MalformedCall, ToolCall, ToolProtocol, format_tool_result
 from arpo.rollout.branch import Branch, Phase
 from arpo.rollout.branch_slots import CallRates, ForkLookahead, GroupSlots, canonical
 from arpo.rollout.branching import GroupBudget, InitialEntropy, aepo_damping, should_branch, token_entropy
@@ -31,7 +31,7 @@ class RolloutTree:
     """Every branch of one rollout call over a batch of prompt groups, and the transitions between phases."""
 
     def __init__(self, cfg: ARPORolloutConfig, tok: Any, prompts: list[list[int]], seed: int,
-                 tool_names: list[str], call_rate_prior: dict[int, float], metrics: RolloutMetrics,
+                 protocol: ToolProtocol, call_rate_prior: dict[int, float], metrics: RolloutMetrics,
                  cut_at_stop: Callable[..., tuple], group_ids: list[int]):
         self.cfg, self.tok, self.prompts, self.seed = cfg, tok, prompts, seed
         #: each group's identity in the seeds of its decisions (its row in the batch), so a group rolled out
@@ -41,7 +41,9 @@ class RolloutTree:
         vocab_size = cfg.entropy.vocab_size or len(tok)
         self.log_v = math.log(vocab_size)
         self.lookahead = ForkLookahead(cfg, seed, cfg.n, cfg.tools.call_limit, vocab_size)
-        self.close_tags = {TOOL_TAGS[n][1]: n for n in tool_names}
+        #: the loaded tools' tags: the stop strings the engine was given, and how a call is parsed
+        self.protocol = protocol
+        self.close_tags = {close: name for name, (_, close) in protocol.pairs().items()}
         self.branches: list[Branch] = []
         self.by_group: list[list[Branch]] = [[] for _ in prompts]
         self.budgets = [GroupBudget(cfg.n) for _ in prompts]
@@ -160,10 +162,10 @@ class RolloutTree:
             elif room <= 0:
                 self._finish(b, "length")
             else:
-                call = parse_trailing_tool_call(seg_text)
+                call = self.protocol.parse_trailing_call(seg_text)
                 b.phase = Phase.TOOL
                 self.call_rates.record(b.group, b.n_calls + 1, made=True)
-                return call if call is not None else MalformedCall(self.close_tags[close])
+                return call if call is not None else self.protocol.malformed(self.close_tags[close])
         elif room <= 0:
             self._finish(b, "length")
         elif finish == "length" and out.token_ids:

@@ -36,7 +36,7 @@ import numpy as np
 
 from arpo.engine.base import GenerationOutput, SamplingParams
 from arpo.protocol import ALL_TAGS, ANSWER_CLOSE, ANSWER_OPEN, RESULT_CLOSE, RESULT_OPEN, THINK_CLOSE, \
-    THINK_OPEN, TOOL_TAGS
+    THINK_OPEN, tag_pair
 
 _WORDS = (
     " the", " answer", " is", " of", " to", " find", " we", " need", " let", " me", " check", " compute",
@@ -110,6 +110,7 @@ class ToyTokenizer:
 class ScriptPolicy:
     """Knobs of the scripted policy (probabilities are per segment)."""
 
+    #: the tags it calls tools with (any tag: a rollout stops and runs a call only for its loaded tools' tags)
     tools: tuple[str, ...] = ("search", "python")
     #: chance that a segment ends in a tool call, lowered by ``call_decay`` per result already in context.
     call_prob: float = 0.7
@@ -289,7 +290,7 @@ class ScriptedEngine:
             return tok(text + words(400, 600))
         if pol.tools and rng.random() < pol.call_prob - pol.call_decay * n_results:
             name = rng.choice(pol.tools)
-            open_tag, close_tag = TOOL_TAGS[name]
+            open_tag, close_tag = tag_pair(name)
             body = f"print({rng.randint(1, 99)} + {rng.randint(1, 99)})" if name == "python" else words(1, 5)
             if rng.random() < pol.malformed_prob:
                 open_tag = ""

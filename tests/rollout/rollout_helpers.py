@@ -11,11 +11,11 @@ import pytest
 
 from arpo.batch import DataBatch
 from arpo.testing.scripted_engine import ScriptedEngine, ScriptPolicy, ToyTokenizer
-from arpo.protocol import RESULT_CLOSE, TOOL_TAGS
+from arpo.protocol import DEFAULT_PROTOCOL, RESULT_CLOSE
 from arpo.rollout.arpo_rollout import ARPORollout, ARPORolloutConfig
 from tests.rollout.fake_tools import BrokenSearch, FakePython, FakeSearch
 
-CLOSE_TAGS = [c for _, c in TOOL_TAGS.values()]
+CLOSE_TAGS = DEFAULT_PROTOCOL.stop_strings()
 
 
 def rollout(cfg: dict, policy: ScriptPolicy | None = None, n_prompts: int = 2, seed: int = 0,

@@ -148,7 +148,7 @@ def test_bad_top_level_and_duplicates(tmp_path, corpus):
         load_tools({"tool": []})
     with pytest.raises(ToolConfigError, match="tool config file not found"):
         load_tools(tmp_path / "nope.yaml")
-    with pytest.raises(ToolConfigError, match="two tools use the tag name 'search'"):
+    with pytest.raises(ToolConfigError, match=r"tools\[1\]: two tools use the name 'search' \(tools\[0\] too\)"):
         load_tools({"tools": [search_entry(corpus), search_entry(corpus)]})
     with pytest.raises(ToolConfigError, match=r"tools\[1\]"):
         load_tools({"tools": [search_entry(corpus), "tools.search.tool.SearchTool"]})
