@@ -3,10 +3,9 @@
 Declare it in a tool YAML with its ``class_name`` (``examples/unit_converter_tools.yaml``) and load it with
 :func:`tools.registry.load_tools`, or, in training, put the same entry in a file under ``configs/tools/`` and run
 with ``tools=<that file's name>``. The agent loop (``rollout.mode=agent_loop``) calls it by function name
-(``convert_units`` with ``{"value", "from_unit", "to_unit"}``); a tag call passes the text ``"3 km to mi"``.
-
-On the ARPO rollout path the model can only write the tags in ``arpo.protocol.TOOL_TAGS`` (``search``,
-``python``) today, so there the tool must take one of those tag names (``name = "search"``) to be reachable.
+(``convert_units`` with ``{"value", "from_unit", "to_unit"}``); the ARPO rollout by its tag: the model writes
+``<convert>3 km to mi</convert>``, generation stops on ``</convert>`` and the text inside goes to ``call_text``.
+The tag is the class's ``tag``; a YAML entry's ``tag:`` overrides it (without either, the tag is the ``name``).
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ class UnitConverterTool(BaseTool):
     """``convert_units(value, from_unit, to_unit)``; every failure is a readable error text, never an exception."""
 
     name = "unit_converter"
+    tag = "convert"  # the model calls it with <convert>…</convert>
 
     def default_schema(self) -> dict[str, Any]:
         return {"type": "function", "function": {

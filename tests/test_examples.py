@@ -117,7 +117,8 @@ def test_unit_converter_tool_is_called_through_the_tool_registry():
 
     reg = load_tools("examples/unit_converter_tools.yaml")
     try:
-        assert reg.tags == ["unit_converter"] and reg.schemas()[0]["function"]["name"] == "convert_units"
+        assert reg.names == ["unit_converter"] and reg.tags == ["convert"]
+        assert reg.schemas()[0]["function"]["name"] == "convert_units"
         # the agent loop's path: function name and argument dict; the YAML's config rounds to 3 places
         assert reg.call("convert_units", {"value": 3, "from_unit": "km", "to_unit": "mi"}) == "3 km = 1.864 mi"
         assert reg.call("convert_units", {"value": 1, "from_unit": "kg", "to_unit": "s"}).startswith("Error: cannot")
@@ -125,3 +126,42 @@ def test_unit_converter_tool_is_called_through_the_tool_registry():
         assert asyncio.run(reg.acall("unit_converter", "90 min to h")) == "90 min = 1.5 h"
     finally:
         reg.close()
+
+
+def test_unit_converter_tool_is_called_on_the_arpo_rollout_path():
+    """The model writes <convert>…</convert> beside search and python: the engine is told to stop on its close tag,
+    the rollout runs the tool and appends its result (masked), and the format gate given the same tools accepts it."""
+    from arpo.protocol import RESULT_OPEN
+    from arpo.rollout.arpo_rollout import ARPORollout
+    from arpo.testing.scripted_engine import ScriptedEngine, ToyTokenizer
+    from reward_fns.gate import check_format, score_with_gate
+    from tests.rollout.fake_tools import FakePython, FakeSearch
+    from tools.registry import load_tools
+
+    call = "<think> I need miles </think> <convert>3 km to mi</convert>"
+    final = "<think> done </think> <answer> \\boxed{1.864} </answer>"
+    engine = ScriptedEngine(ToyTokenizer(), replies=lambda context, _: final if RESULT_OPEN in context else call)
+    reg = load_tools("examples/unit_converter_tools.yaml")
+    gen = ARPORollout(engine, engine.tokenizer, {"n": 2, "initial_rollouts": 2, "sampling.max_response_length": 200},
+                      tools=[FakeSearch(), FakePython(), *reg.values()])
+    try:
+        batch = gen.generate([engine.tokenizer.encode("How many miles is 3 km?")], seed=0)
+    finally:
+        gen.close()
+        reg.close()
+    assert gen.protocol.tags == {"search": "search", "python": "python", "unit_converter": "convert"}
+    assert set(engine.requests[0].sampling_params.stop) >= {"</search>", "</python>", "</convert>"}
+    tok = engine.tokenizer
+    for r in rows(batch):
+        text = tok.decode(r["ids"], skip_special_tokens=True)
+        assert text == f"{call} <result>\n3 km = 1.864 mi\n</result>{final}"
+        (record,) = r["calls"]
+        assert record["tool"] == "unit_converter" and not record["error"]
+        # the result's tokens are the tool's, not the policy's: masked out of the loss
+        assert tok.decode(r["ids"][record["start"]: record["end"]]) == " <result>\n3 km = 1.864 mi\n</result>"
+        assert set(r["mask"][record["start"]: record["end"]]) == {0} and r["finish"] == "stop"
+        # the format gate reads the new tag only when given the run's tools
+        assert not check_format(text).ok
+        scored = score_with_gate(text, lambda pred: {"acc": float(pred == "1.864"), "em": 0.0, "f1": 0.0},
+                                 protocol=gen.protocol)
+        assert scored["format_ok"] == 1.0 and scored["score"] == 1.0
