@@ -153,6 +153,24 @@ def test_text_sources_mark_results_calls_and_think_where_the_protocol_puts_them(
     assert split_response(response)[1] == ("result", format_tool_result("Page 1: Orn's capital is Vel."))
 
 
+
+def test_a_loaded_tools_tag_names_its_results_tool(tokenizer, tmp_path):
+    """Given the run's protocol, a result after ``<convert>…</convert>`` answers unit_converter; by default (search
+    and python) the call is not recognised and the result's tool is unknown."""
+    from arpo.protocol import ToolProtocol
+
+    prompt = [{"role": "user", "content": "How many miles is 3 km?"}]
+    turns = [{"role": "assistant", "content": "<think> miles </think> <convert> 3 km to mi </convert>"},
+             {"role": "tool", "content": "3 km = 1.864 mi"},
+             {"role": "assistant", "content": " <answer> \\boxed{1.864} </answer>"}]
+    (tmp_path / "messages.jsonl").write_text(json.dumps({"messages": prompt + turns}) + "\n")
+    protocol = ToolProtocol({"search": "search", "unit_converter": "convert"})
+    (traj,) = read_trajectories(tmp_path / "messages.jsonl", tokenizer, protocol=protocol)
+    (result,) = traj.results
+    assert result.tool == "unit_converter"
+    assert tokenizer.decode(traj.ids[result.call_start:result.start]).strip().startswith("<convert>")
+    assert [r.tool for r in read_trajectories(tmp_path / "messages.jsonl", tokenizer)[0].results] == ["unknown"]
+
 def test_rollout_rows_align_as_the_rollout_analysis_does():
     """A dump row's recorded entropy after each result is what arpo.analysis puts at the same offsets; a fork
     counts only the results from its branch point on."""

@@ -131,3 +131,30 @@ def test_gate_never_raises_and_ok_always_comes_with_an_answer():
             assert compute_score("DR_grpo_mix", text, "1812")["score"] == -1.0
 
     check()
+
+
+def test_gate_reads_the_loaded_tools_tags_when_given_their_protocol():
+    """A tool declaring ``<convert>`` (unit_converter): rejected by the default gate (search and python only),
+    accepted, counted by tool name and required for the bonus when the run's protocol is given."""
+    from arpo.protocol import ToolProtocol
+    from reward_fns.gate import score_with_gate
+
+    protocol = ToolProtocol({"search": "search", "python": "python", "unit_converter": "convert"})
+    text = respond(SEARCH_CITIBANK, ("convert", "3 km to mi", "3 km = 1.864 mi"), answer="1812")
+    assert check_format(text).reason == "<result> without a tool call before it (the model wrote its own tool output)"
+    check = check_format(text, protocol)
+    assert check.ok, check.reason
+    assert [(u.tool, u.query, u.result) for u in check.tool_uses] == [
+        ("search", "Citibank founded year", SEARCH_CITIBANK[2]), ("unit_converter", "3 km to mi", "3 km = 1.864 mi")]
+    assert count_real_tool_calls(check.tool_uses, protocol=protocol) == {"search": 1, "python": 0, "unit_converter": 1}
+    assert [u.tool for u in lenient_tool_uses(text + "<think> unclosed", protocol)] == ["search", "unit_converter"]
+    assert check_format("<think> a </think><answer> <convert> q </convert> \\boxed{1} </answer>",
+                        protocol).reason == "<convert> inside <answer>"
+
+    def grade(pred):
+        return {"acc": float(pred == "1812"), "em": 0.0, "f1": 0.0}
+
+    assert score_with_gate(text, grade, tool_bonus=0.1)["score"] == -1.0
+    assert score_with_gate(text, grade, tool_bonus=0.1, protocol=protocol)["score"] == 1.0  # python never ran
+    every_tool = respond(SEARCH_CITIBANK, PYTHON_CHECK, ("convert", "3 km to mi", "3 km = 1.864 mi"), answer="1812")
+    assert score_with_gate(every_tool, grade, tool_bonus=0.1, protocol=protocol)["score"] == pytest.approx(1.1)
