@@ -97,7 +97,7 @@ class ToolRegistry(Mapping):
         return tool.call_text(arguments) if isinstance(arguments, str) else tool.call(arguments)
 
     async def acall(self, name: str, content: str) -> str:
-        """Async text call by name: the tool's own ``acall_text`` if it has one, else ``call_text`` in a worker thread."""
+        """Async text call by name: the tool's own ``acall_text`` if it has one, else ``call_text`` in a thread."""
         if name not in self:
             return self.call(name, content)
         tool = self[name]
