@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Mapping
 
+from arpo.protocol import ToolProtocol
 from arpo.rollout.tool_executor import ToolExecutor, ToolResult
 
 REFUSAL_LIMIT = "The {tool} tool may be called at most {limit} times per question; that limit is reached, so " \
@@ -27,8 +28,8 @@ REFUSAL_REPEAT = "This exact search query was already sent for this question; se
 
 
 class TrajectoryToolLimits:
-    """The executor interface the rollout uses (``tool_names``, ``arun_many``, ``close``), with per-tool
-    limits and repeated-query refusals for a single trajectory."""
+    """The executor interface the rollout uses (``tool_names``, ``protocol``, ``arun_many``, ``close``), with
+    per-tool limits and repeated-query refusals for a single trajectory."""
 
     def __init__(self, executor: ToolExecutor, limits: Mapping[str, int], refuse_repeated: tuple[str, ...] = ()):
         self.executor = executor
@@ -41,6 +42,10 @@ class TrajectoryToolLimits:
     @property
     def tool_names(self) -> list[str]:
         return self.executor.tool_names
+
+    @property
+    def protocol(self) -> ToolProtocol:
+        return self.executor.protocol
 
     def _refusal(self, tool: str, content: str) -> str | None:
         limit = self.limits.get(tool)
