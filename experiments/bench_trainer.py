@@ -10,8 +10,11 @@ configs/trainer/actor.yaml's (bf16, gradient checkpointing).
 
 Per setting: the median wall and CPU seconds (of the busiest rank) of each phase over ``--steps`` timed steps
 (after ``--warmup`` steps), and per rank the peak resident memory of each phase (VmHWM, reset before every
-phase) and of loading the model; on a GPU also the peak allocated GPU memory of each phase. On a machine shared
-with other jobs the CPU seconds are the comparable number.
+phase) and of loading the model; on a GPU also the peak allocated GPU memory of each phase. Also the policy's
+parameters and trainable parameters (LoRA: the adapters), the weight push's bytes, and the update's micro-batches
+per rank with the token positions they run and the padding among them (``padding_fraction``: row batching vs
+``--set actor_rollout_ref.actor.use_dynamic_bsz=true``). On a machine shared with other jobs the CPU seconds are
+the comparable number.
 Prints one JSON object on stdout and nothing else: a progress line per ``--micro`` value, logs and the Ray
 workers' output go to stderr.
 
@@ -23,6 +26,7 @@ workers' output go to stderr.
     ... --on-policy                                           # no old-log-prob pass (one mini-batch, 1 epoch)
     ... --set actor_rollout_ref.model.dtype=float32           # any config key (YAML-typed value)
     ... --system 105 --set actor_rollout_ref.model.share_prefix=false   # a shared system prompt, run per row
+    ... --set actor_rollout_ref.model.lora_rank=8 --set actor_rollout_ref.model.lora_alpha=16   # LoRA adapters
     ... --trees experiments/results/smollm2_advantage/rollouts/arpo_soft.jsonl --prompt-len 200 \
         --set actor_rollout_ref.model.tree_packing=true|false
     python experiments/bench_trainer.py --model CONFIG_DIR --random-init --no-ray --ranks 1 --settings multi \
@@ -294,6 +298,23 @@ def _rank_stats(group) -> tuple[list[float], list[float], list[float]]:
             [s["cpu_s"] for s in stats])
 
 
+def policy_layout(group, cfg: dict, batch) -> dict:
+    """The policy's parameters and those it trains (LoRA: the adapters; counted on the meta device), and the
+    micro-batches the update runs on ``batch`` with their padding (:func:`arpo.trainer.dynamic_batching.update_padding`
+    on the ranks' shares; no model needed)."""
+    from arpo.trainer.dynamic_batching import update_padding
+    from arpo.trainer.fsdp_worker import ActorWorker
+    from arpo.trainer.lora import apply_lora
+
+    workers = [ActorWorker(cfg, "actor", r, group.world_size) for r in range(group.world_size)]
+    model, m = workers[0].empty_model(), workers[0].cfg.model
+    if workers[0].uses_lora:
+        model = apply_lora(model, m.lora_rank, m.lora_alpha, m.target_modules)
+    return {"params": sum(p.numel() for p in model.parameters()),
+            "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "update_micro_batches": update_padding(workers, group.update_shares(batch))}
+
+
 def run_setting(model: Path, ranks: int, cpus_per_rank: float, micro: int, batch, args) -> dict:
     from arpo.trainer.worker_group import LocalWorkerGroup, RayWorkerGroup
 
@@ -301,6 +322,7 @@ def run_setting(model: Path, ranks: int, cpus_per_rank: float, micro: int, batch
     cfg = config(model, ranks, cpus_per_rank, micro, args)
     group = LocalWorkerGroup(cfg) if args.no_ray else RayWorkerGroup(cfg, role="actor")
     start_s = time.perf_counter() - t0
+    layout = policy_layout(group, cfg, batch)
     seconds: dict[str, list[float]] = {p: [] for p in PHASES}
     cpu_seconds: dict[str, list[float]] = {p: [] for p in PHASES}
     load_peaks, load_gpu, cpu_before = _rank_stats(group)
@@ -328,8 +350,8 @@ def run_setting(model: Path, ranks: int, cpus_per_rank: float, micro: int, batch
                     metrics = group.update_policy(train)
                 else:
                     # rank 0 gathers the weights bucket by bucket into Ray's object store, as a push does
-                    for i in range(len(group.plan_weight_sync("bfloat16" if args.device == "cuda" else "float32",
-                                                              512 * 2**20))):
+                    sizes = group.plan_weight_sync("bfloat16" if args.device == "cuda" else "float32", 512 * 2**20)
+                    for i in range(len(sizes)):
                         bucket = group.weight_bucket(i)
                         if not args.no_ray:
                             import ray
@@ -351,7 +373,9 @@ def run_setting(model: Path, ranks: int, cpus_per_rank: float, micro: int, batch
             kernels.__exit__(None, None, None)
             write_profile(profiler, kernels, args.profile.with_suffix(f".micro{micro}.txt"))
         group.shutdown()
-    out = {"ranks": ranks, "cpus_per_rank": cpus_per_rank, "micro": micro, "start_s": round(start_s, 2)}
+    out = {"ranks": ranks, "cpus_per_rank": cpus_per_rank, "micro": micro, "start_s": round(start_s, 2), **layout}
+    if "weight_sync" in phases:  # LoRA pushes merged weights: as many bytes as full fine-tuning
+        out["weight_sync_bytes"] = sum(sizes)
     for phase in phases:
         out[f"{phase}_s"] = round(statistics.median(seconds[phase]), 3)
     out["step_s"] = round(sum(out[f"{p}_s"] for p in phases), 3)

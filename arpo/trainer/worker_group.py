@@ -194,16 +194,20 @@ class WorkerGroup:
         return gather_rows(results, [s["is_pad"] for s in shares],
                            [s["row_index"] for s in shares] if balance else None)
 
-    def update_policy(self, batch: DataBatch) -> dict[str, float]:
-        """One PPO update on ``batch`` (see :meth:`ActorWorker.update_policy`); returns verl's metrics."""
+    def update_shares(self, batch: DataBatch) -> list[DataBatch]:
+        """Each rank's rows of ``batch`` for :meth:`update_policy`: whole trees when packing them, else its slice of
+        every mini-batch (benchmarks read them to see the micro-batches each rank runs)."""
         if self._packs_trees():
-            shares = split_trees_for_ranks(self._with_trees(batch), self.world_size, self.cfg.mini_batch_rows)
-            return self.execute_split("update_policy", shares)[0]
+            return split_trees_for_ranks(self._with_trees(batch), self.world_size, self.cfg.mini_batch_rows)
         shares, per_rank = split_for_ranks(_tensors_only(batch), self.world_size, self.cfg.mini_batch_rows,
                                            balance=self._balance())
         for s in shares:
             s.meta["mini_batch_rows_per_rank"] = per_rank
-        return self.execute_split("update_policy", shares)[0]
+        return shares
+
+    def update_policy(self, batch: DataBatch) -> dict[str, float]:
+        """One PPO update on ``batch`` (see :meth:`ActorWorker.update_policy`); returns verl's metrics."""
+        return self.execute_split("update_policy", self.update_shares(batch))[0]
 
     def compute_values(self, batch: DataBatch) -> dict[str, torch.Tensor]:
         """``{"values": (B, T)}`` of the critic in ``batch`` row order (:meth:`CriticWorker.compute_values`)."""

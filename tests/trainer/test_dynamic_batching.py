@@ -57,6 +57,42 @@ def test_tree_stays_whole_within_the_budget_and_bigger_trees_and_lone_rows_pack_
     assert all(len(p) == 1 or len(p) * int(lengths[p].max()) <= budget for p in lone_parts)
 
 
+
+def test_update_padding_counts_the_token_positions_each_micro_batch_runs():
+    """The update's micro-batches on two ranks' shares (no model): the exact layout (float32) runs every row at the
+    batch's width, the fast one (bf16) each micro-batch at its longest row; padding is what no real row fills."""
+    from arpo.trainer.dynamic_batching import update_padding
+    from arpo.trainer.fsdp_worker import ActorWorker
+    from arpo.trainer.worker_group import split_for_ranks
+
+    batch = random_batch(8, seed=3)
+    width, real = batch["attention_mask"].shape[1], int(batch["attention_mask"].sum())
+
+    def padding(dtype: str, dynamic: bool, budget: int = 40) -> dict:
+        cfg = {"trainer": {"device": "cpu"}, "data": {"train_batch_size": 4},
+               "actor_rollout_ref": {"model": {"dtype": dtype, "tree_packing": False}, "rollout": {"n": 2},
+                                     "actor": {"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 2,
+                                               "use_dynamic_bsz": dynamic, "ppo_max_token_len_per_gpu": budget}}}
+        shares, per_rank = split_for_ranks(batch, 2, 8, balance=dtype != "float32")
+        for s in shares:
+            s.meta["mini_batch_rows_per_rank"] = per_rank
+        stats = update_padding([ActorWorker(cfg, "actor", r, 2) for r in range(2)], shares)
+        assert stats["padding_tokens"] == stats["tokens_run"] - real
+        assert stats["padding_fraction"] == round(stats["padding_tokens"] / stats["tokens_run"], 4)
+        return stats, shares
+
+    stats, _ = padding("float32", False)  # 2 micro-batches of 2 rows per rank, all at the full width
+    assert stats["micro_batches_per_rank"] == [2, 2] and stats["tokens_run"] == 8 * width
+    stats, _ = padding("float32", True, budget=1)  # each row alone, still at the full width
+    assert stats["micro_batches_per_rank"] == [4, 4] and stats["tokens_run"] == 8 * width
+    stats, shares = padding("bfloat16", False)  # rows sorted longest first, pairs at their longer row's width
+    pairs = [sorted(s["attention_mask"].sum(1).tolist(), reverse=True) for s in shares]
+    assert stats["tokens_run"] == sum(2 * lengths[i] for lengths in pairs for i in (0, 2))
+    stats, shares = padding("bfloat16", True, budget=10**6)  # one micro-batch per rank, at its longest row
+    assert stats["micro_batches_per_rank"] == [1, 1]
+    assert stats["tokens_run"] == sum(4 * int(s["attention_mask"].sum(1).max()) for s in shares)
+
+
 @pytest.fixture
 def one_process_group():
     import torch.distributed as dist
