@@ -20,8 +20,8 @@ logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-#: 2 GiB: every weight push moves the model's full state dict through it (SmolLM2-135M: 0.54 GB in fp32), and an
-#: object too big for it spills to disk; Ray's default (30% of RAM) is far too much on a shared laptop. The memory
+#: 2 GiB: a weight push holds two of its buckets in it at a time (512 MiB each by default, or the largest tensor),
+#: and an object too big for it spills to disk; Ray's default (30% of RAM) is far too much on a shared laptop. The memory
 #: is taken as objects arrive, not at start-up.
 DEFAULT_OBJECT_STORE_MEMORY = 2 * 1024 * 1024 * 1024
 _START_ATTEMPTS = 3

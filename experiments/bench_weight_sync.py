@@ -8,7 +8,8 @@ One JSON object on stdout (logs on stderr): the command, the git SHA of the code
 of the actor's rank 0 and of each engine actor's process tree (engine core included): the peak resident memory
 during the push over that before it (``*_peak_extra_bytes``: VmHWM, which also counts the pages of Ray's object
 store a process touched) and the peak of private memory alone (``*_private_bytes``: RssAnon, sampled every 10 ms).
-Also the weight files engines keep in ``/dev/shm`` and what Ray's object store holds at once. Before each push the actor's weights are scaled
+The engine's private memory is also given for its Ray actor alone (which encodes each bucket into messages) and
+its vLLM engine core alone (which holds a message and the layers waiting for weights). Also the weight files engines keep in ``/dev/shm`` and what Ray's object store holds at once. Before each push the actor's weights are scaled
 a little on every rank, and a probe after it shows the engine took them.
 
 The push is the trainer's: streamed buckets of
@@ -32,12 +33,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 
-def _process_tree_kb(pid: int, field: str) -> float:
-    """Sum of ``field`` (VmRSS / VmHWM, kB) over ``pid`` and its descendants."""
+def _process_tree_kb(pid: int, field: str, tree: bool = True) -> float:
+    """Sum of ``field`` (VmRSS / VmHWM, kB) over ``pid`` and (``tree``) its descendants."""
     import psutil
 
     total = 0.0
-    procs = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
+    procs = [psutil.Process(pid)] + (psutil.Process(pid).children(recursive=True) if tree else [])
     for proc in procs:
         try:
             for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
@@ -52,17 +53,18 @@ class PrivateMemorySampler:
     """Peak over time of the private (anonymous) resident memory of process trees, sampled every 10 ms: VmHWM also
     counts the pages of Ray's object store a process has touched, which stay mapped after the object is freed."""
 
-    def __init__(self, pids: list[int]):
+    def __init__(self, pids: list[int], trees: list[bool] | None = None):
         import threading
 
         self.pids, self.peaks = pids, [0.0] * len(pids)
+        self.trees = trees or [True] * len(pids)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
             for i, pid in enumerate(self.pids):
-                self.peaks[i] = max(self.peaks[i], _process_tree_kb(pid, "RssAnon"))
+                self.peaks[i] = max(self.peaks[i], _process_tree_kb(pid, "RssAnon", self.trees[i]))
             self._stop.wait(0.01)
 
     def __enter__(self) -> "PrivateMemorySampler":
@@ -88,6 +90,30 @@ def _engine_files_bytes() -> int:
     """Bytes of weight files engines keep in RAM between pushes (the earlier vLLM path wrote one per replica)."""
     return sum(f.stat().st_size for d in Path("/dev/shm").glob("arpo_engine_weights_pid*") for f in d.rglob("*")
                if f.is_file())
+
+
+def _engine_core_pid(actor_pid: int) -> int:
+    """vLLM's engine core: the actor's largest child process."""
+    import psutil
+
+    return max(psutil.Process(actor_pid).children(recursive=True), key=lambda c: c.memory_info().rss).pid
+
+
+def _largest_tensor_bytes(model: str, dtype: str) -> int:
+    """The largest weight of the checkpoint in the engine's ``dtype``: what one layer's reload holds at a time."""
+    import torch
+    from safetensors import safe_open
+
+    itemsize = getattr(torch, dtype).itemsize
+    largest = 0
+    for path in Path(model).glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                numel = 1
+                for d in f.get_slice(name).get_shape():
+                    numel *= d
+                largest = max(largest, numel * itemsize)
+    return largest
 
 
 def _scale_weights(worker: Any, factor: float) -> None:
@@ -138,6 +164,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     group = RayWorkerGroup(_actor_config(args.model, args.ranks), role="actor")
     engine_pids = ray.get([e.handle.__ray_call__.remote(_pid) for e in engines])
     rank0_pid = ray.get(group.workers[0].__ray_call__.remote(_pid))
+    core_pids = [_engine_core_pid(pid) for pid in engine_pids] if args.engine == "vllm" else []
     probe = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
     runs: list[dict[str, Any]] = []
     probes: list[float] = []
@@ -150,8 +177,12 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             for pid in pids:
                 _reset_peaks(pid)
             t0 = time.perf_counter()
-            with PrivateMemorySampler(pids) as private:
+            # the engine actor alone and its engine core alone, beside the process trees
+            parts = [*engine_pids, *core_pids]
+            parts_before = [_process_tree_kb(pid, "RssAnon", tree=False) for pid in parts]
+            with PrivateMemorySampler(pids) as private, PrivateMemorySampler(parts, [False] * len(parts)) as alone:
                 sent = await _push(group, engines, args.bucket_megabytes * 1024 * 1024)
+            alone_extra = [(p - b) * 1024 for p, b in zip(alone.peaks, parts_before)]
             seconds = time.perf_counter() - t0
             rss = [(_process_tree_kb(pid, "VmHWM") - b) * 1024 for pid, b in zip(pids, rss_before)]
             anon = [(p - b) * 1024 for p, b in zip(private.peaks, private_before)]
@@ -159,6 +190,8 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
                          "rank0_peak_extra_bytes": int(rss[0]), "rank0_peak_extra_private_bytes": int(anon[0]),
                          "engine_peak_extra_bytes": int(max(rss[1:])),
                          "engine_peak_extra_private_bytes": int(max(anon[1:])),
+                         "engine_actor_peak_extra_private_bytes": int(max(alone_extra[:len(engine_pids)])),
+                         "engine_core_peak_extra_private_bytes": int(max(alone_extra[len(engine_pids):], default=0)),
                          "engine_files_bytes": _engine_files_bytes()})
             out = await engines[0].generate([1, 2, 3, 4], probe, f"probe-{r}")
             probes.append(float(statistics.mean(out.logprobs[0].values())))
@@ -178,13 +211,15 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         "buckets": last["buckets"], "bytes_per_engine": last["bytes"],
         "largest_bucket_bytes": last["largest_bucket_bytes"],
         "bytes_moved": last["bytes"] * args.replicas,
+        "largest_tensor_bytes": _largest_tensor_bytes(args.model, last["dtype"]),
         # what the object store holds at once: a bucket loading and the next being gathered
         "object_store_bound_bytes": 2 * last["largest_bucket_bytes"],
         # every push changed the engine's outputs: it took the new weights each time
         "probes_all_differ": all(a != b for a, b in zip(probes, probes[1:])),
     }
     for key in ("seconds", "rank0_peak_extra_bytes", "rank0_peak_extra_private_bytes", "engine_peak_extra_bytes",
-                "engine_peak_extra_private_bytes", "engine_files_bytes"):
+                "engine_peak_extra_private_bytes", "engine_actor_peak_extra_private_bytes",
+                "engine_core_peak_extra_private_bytes", "engine_files_bytes"):
         result[key] = statistics.median(run[key] for run in runs)
         result[f"{key}_all"] = [run[key] for run in runs]
     return result

