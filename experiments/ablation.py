@@ -20,6 +20,10 @@ Suites (every variant: same data, steps, seeds and budget M = ``actor_rollout_re
   advantage, ``adv_estimator=tree_grpo``).
 - ``baselines``: the paper's RL baselines, each a preset (``configs/preset/``): GRPO (the baseline), DAPO,
   REINFORCE++, PPO with a critic and ARPO.
+- ``lora``: ARPO (soft advantage) training every weight (the baseline) vs LoRA adapters of rank 16 on every linear
+  layer (``actor_rollout_ref.model.lora_rank=16``, ``lora_alpha=32``: the usual alpha = 2 x rank) at 10x the
+  learning rate (1e-4 against the configs' 1e-5, the tiny and SmolLM2 presets' alike): adapters start at zero
+  and move few weights, so the usual LoRA learning rates are about 10x full fine-tuning's.
 
 Variants are presets (``preset=<name>``) where one exists, so a suite runs exactly what a user
 running ``python -m arpo.main_arpo preset=<name>`` gets.
@@ -113,6 +117,10 @@ class Suite:
 #: the baseline of the suites that compare against GRPO, and ARPO as the policy and baseline suites run it
 GRPO = Variant("grpo", ("preset=grpo",))
 ARPO_PRESET = Variant("arpo", ("preset=arpo_soft",))
+#: LoRA as the lora suite trains it (see the module docstring for the learning rate)
+LORA_RANK = 16
+LORA = (f"actor_rollout_ref.model.lora_rank={LORA_RANK}", f"actor_rollout_ref.model.lora_alpha={2 * LORA_RANK}",
+        "actor_rollout_ref.actor.optim.lr=1.0e-4")
 
 SUITES = {s.name: s for s in (
     Suite("advantage", "GRPO with plain sampling vs ARPO with soft and hard advantage", (
@@ -144,6 +152,11 @@ SUITES = {s.name: s for s in (
         Variant("ppo", ("preset=ppo",)),
         ARPO_PRESET,
     ), baseline="grpo"),
+    Suite("lora", f"ARPO training every weight vs LoRA adapters (rank {LORA_RANK}, alpha {2 * LORA_RANK}, 10x the "
+                  f"learning rate)", (
+        ARPO_PRESET,
+        Variant(f"arpo_lora{LORA_RANK}", (*ARPO_PRESET.overrides, *LORA)),
+    ), baseline="arpo"),
 )}
 
 

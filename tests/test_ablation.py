@@ -86,6 +86,7 @@ def test_variants_pick_part_of_a_suite_and_keep_its_baseline(capsys):
     ("baselines", {"grpo": ("single", "soft", 0.2, "code"), "dapo": ("single", "soft", 0.2, "code"),
                    "reinforce_plus_plus": ("single", "soft", 0.2, "code"), "ppo": ("single", "soft", 0.2, "code"),
                    "arpo": ("arpo", "soft", 0.2, "code")}),
+    ("lora", {"arpo": ("arpo", "soft", 0.2, "code"), "arpo_lora16": ("arpo", "soft", 0.2, "code")}),
 ])
 def test_every_variant_composes_to_the_intended_config(suite, expect, tmp_path):
     s = ablation.SUITES[suite]
@@ -104,6 +105,10 @@ def test_every_variant_composes_to_the_intended_config(suite, expect, tmp_path):
         assert cfg.algorithm.adv_estimator == {"tree_grpo": "tree_grpo", "reinforce_plus_plus": "reinforce_plus_plus",
                                                "ppo": "gae"}.get(run.variant.name, "grpo")
         assert cfg.algorithm.filter_groups.enable == cfg.reward.overlong_buffer.enable == (run.variant.name == "dapo")
+        m = cfg.actor_rollout_ref.model
+        # LoRA only in the lora variant: rank 16, alpha 2 x rank, 10x the configs' learning rate
+        assert (m.lora_rank, m.lora_alpha, cfg.actor_rollout_ref.actor.optim.lr) == (
+            (16, 32, 1e-4) if run.variant.name == "arpo_lora16" else (0, 16, 1e-5))
         assert cfg.trainer.seed == run.seed
         assert Path(cfg.trainer.output_dir) == tmp_path / "runs" / suite / run.variant.name / f"seed{run.seed}"
         assert cfg.trainer.default_local_dir == f"{cfg.trainer.output_dir}/checkpoints"  # resumes from there
@@ -143,6 +148,20 @@ def test_a_preset_sizes_every_run_and_names_its_model_and_data(tmp_path):
     assert tiny.out == REPO_ROOT / "experiments/results/advantage"
     with pytest.raises(SystemExit):
         ablation.parse_args(["--suite", "advantage", "--preset", "nope"])
+
+
+def test_lora_suite_on_the_smollm2_preset_passes_the_start_up_checks_of_the_trainer(tmp_path):
+    """The preset's learning rate (before the variant) gives way to the LoRA variant's; its keys pass the actor's
+    start-up validation."""
+    from arpo.trainer.actor_config import validate_actor_config
+
+    args, extra = ablation.parse_args(["--suite", "lora", "--preset", "smollm2"])
+    full, lora = ablation.plan_runs(ablation.SUITES["lora"], [0], args.model_dir, args.data_dir, tmp_path,
+                                    smoke=False, extra=extra, preset=args.preset_overrides)
+    for run, (rank, lr) in ((full, (0, 1e-5)), (lora, (16, 1e-4))):
+        cfg = load_config("arpo_trainer", list(run.overrides))
+        validate_actor_config(cfg)
+        assert (cfg.actor_rollout_ref.model.lora_rank, cfg.actor_rollout_ref.actor.optim.lr) == (rank, lr)
 
 
 # ---- the advantage suite end to end (slow) -------------------------------------------------------------------
