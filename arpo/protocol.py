@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -73,7 +74,8 @@ class ToolProtocol:
                 raise ValueError(f"{where}: {tag!r} is already the tag of tools[{first[tag]}]; each tool needs its "
                                  f"own tag; loaded tools: {described}")
             first[tag] = i
-        self.tags: dict[str, str] = dict(tags)
+        #: read-only: the protocol is hashed (the format gate caches its patterns by protocol)
+        self.tags: Mapping[str, str] = MappingProxyType(dict(tags))
         #: "name <tag>, ..." for error messages
         self.described = described
 
@@ -101,6 +103,9 @@ class ToolProtocol:
 
     def __repr__(self) -> str:
         return f"ToolProtocol({self.described})"
+
+    def __reduce__(self) -> tuple:
+        return ToolProtocol, (dict(self.tags),)  # pickles for reward worker processes
 
     @property
     def names(self) -> list[str]:

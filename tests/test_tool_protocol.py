@@ -3,6 +3,7 @@ for a bad tag, and every ARPO-path reader (rollout, arpo_tags agent loop) taking
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import pytest
@@ -45,6 +46,9 @@ def test_protocol_is_built_from_the_loaded_tools():
     assert protocol.tags == {"search": "search", "unit_converter": "convert", "echo": "echo"}
     assert protocol.stop_strings() == ["</search>", "</convert>", "</echo>"]
     assert protocol.tool_of_tag("convert") == "unit_converter"
+    assert pickle.loads(pickle.dumps(protocol)) == protocol  # reaches reward worker processes
+    with pytest.raises(TypeError):
+        protocol.tags["echo"] = "shout"  # read-only: the format gate caches its patterns by protocol
     call = protocol.parse_trailing_call("<think> miles </think> <convert> 3 km to mi </convert>\n")
     assert (call.tool, call.content) == ("unit_converter", "3 km to mi")
     assert protocol.malformed("unit_converter").error_text() == \
