@@ -35,6 +35,35 @@ def test_algorithm_presets_and_critic_keys_reach_the_trainer_and_typos_stop(tmp_
         Pipeline(tmp_path, "smollm2", ["critc.optim.lr=1"])
 
 
+#: what docs/quickstart.md gives for ``make run ARGS="..."`` with LoRA (the lora ablation suite's settings)
+LORA_ARGS = ["actor_rollout_ref.model.lora_rank=16", "actor_rollout_ref.model.lora_alpha=32",
+             "actor_rollout_ref.actor.optim.lr=1e-4"]
+
+
+def test_lora_overrides_reach_the_rl_stage_and_pass_its_start_up_validation(tmp_path, tiny_model_dir, synthetic_dir):
+    """``make run ARGS="actor_rollout_ref.model.lora_rank=16 ..."``: the keys reach only the RL stage, after the
+    preset's (the learning rate wins over its 1e-5), and the composed config passes ``main_arpo``'s start-up
+    validation (model and data pointed at the test fixtures: the SmolLM2 SFT model is not built here)."""
+    from arpo.main_arpo import validate_config, worker_groups
+
+    from arpo.pipeline import overrides_for_stage
+
+    p = Pipeline(tmp_path, "smollm2", LORA_ARGS)
+    assert [o for o in p.overrides if o in LORA_ARGS] == overrides_for_stage("arpo_trainer", LORA_ARGS) == LORA_ARGS
+    assert not set(LORA_ARGS) & set(overrides_for_stage("sft", p.overrides))  # the SFT stage trains every weight
+    rl = Pipeline(tmp_path, "smollm2", [*LORA_ARGS, f"actor_rollout_ref.model.path={tiny_model_dir}",
+                                        f"synthetic.out_dir={synthetic_dir}"]).config("arpo_trainer")
+    m = rl.actor_rollout_ref.model
+    assert (m.lora_rank, m.lora_alpha, rl.actor_rollout_ref.actor.optim.lr) == (16, 32, 1e-4)
+    assert rl.actor_rollout_ref.rollout.n == 8                        # the preset's sizing stays
+    validate_config(rl)
+    assert worker_groups(rl) == ["actor"]
+    with pytest.raises(ConfigError, match="lora_rank must be an integer >= 0"):
+        validate_config(Pipeline(tmp_path, "smollm2", ["actor_rollout_ref.model.lora_rank=-1",
+                                                       f"actor_rollout_ref.model.path={tiny_model_dir}",
+                                                       f"synthetic.out_dir={synthetic_dir}"]).config("arpo_trainer"))
+
+
 def test_base_model_source_override_swaps_the_preset_model(tmp_path, tiny_model_dir):
     p = Pipeline(tmp_path, "smollm2", [f"base_model.source={tiny_model_dir}"])
     assert p.base_model_dir == tiny_model_dir
