@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from arpo.protocol import DEFAULT_PROTOCOL, ToolProtocol
 from reward_fns import qa, released_reward
 from reward_fns.gate import score_with_gate
 
@@ -42,8 +43,12 @@ def compute_score(
     extra_info: dict[str, Any] | None = None,
     tool_bonus: float = MULTI_TOOL_BONUS,
     variant: str = "fixed",
+    protocol: ToolProtocol = DEFAULT_PROTOCOL,
 ) -> dict[str, Any]:
-    """ARPO's reward for one response; returns ``score`` plus diagnostics (see :data:`gate.RESULT_KEYS`)."""
+    """ARPO's reward for one response; returns ``score`` plus diagnostics (see :data:`gate.RESULT_KEYS`).
+
+    ``protocol``: the run's tool tags for the format gate (the registry passes them); the tool bonus then needs a
+    call of every loaded tool. ``variant="released"`` ignores it: the released code knows search and python only."""
     if variant == "released":
         return released_reward.compute_score(data_source, solution_str, ground_truth, extra_info, tool_bonus)
     if variant != "fixed":
@@ -54,4 +59,5 @@ def compute_score(
         lambda pred: qa.grade(pred, answers, "f1"),
         extra_info=extra_info,
         tool_bonus=tool_bonus,
+        protocol=protocol,
     )

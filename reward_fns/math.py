@@ -38,6 +38,7 @@ from sympy.parsing.sympy_parser import (
     standard_transformations,
 )
 
+from arpo.protocol import DEFAULT_PROTOCOL, ToolProtocol
 from reward_fns import qa
 from reward_fns.gate import score_with_gate
 
@@ -274,8 +275,10 @@ def compute_score(
     require_format: bool = True,
     timeout_s: float | None = 5.0,
     backend: str = "auto",
+    protocol: ToolProtocol = DEFAULT_PROTOCOL,
 ) -> dict[str, Any]:
-    """Math reward: −1 on bad format, else equivalence (``mode="equiv"``) or token F1 (``mode="f1"``)."""
+    """Math reward: −1 on bad format, else equivalence (``mode="equiv"``) or token F1 (``mode="f1"``).
+    ``protocol``: the run's tool tags for the format gate (the registry passes them)."""
     if mode not in MATH_MODES:
         raise ValueError(f"math mode must be one of {MATH_MODES}, got {mode!r} (reward.math_mode)")
     answers = qa.as_answer_list(ground_truth)
@@ -286,4 +289,5 @@ def compute_score(
         tool_bonus=tool_bonus,
         require_format=require_format,
         score_key="acc" if mode == "equiv" else "f1",
+        protocol=protocol,
     )

@@ -20,6 +20,7 @@ import string
 from collections import Counter
 from typing import Any, Iterable
 
+from arpo.protocol import DEFAULT_PROTOCOL, ToolProtocol
 from reward_fns.gate import score_with_gate
 
 #: Answers that must match exactly to earn any F1.
@@ -104,8 +105,10 @@ def compute_score(
     metric: str = "f1",
     tool_bonus: float = 0.0,
     require_format: bool = True,
+    protocol: ToolProtocol = DEFAULT_PROTOCOL,
 ) -> dict[str, Any]:
-    """QA reward: −1 on bad format, else EM or F1 (``metric``) of the boxed answer (+``tool_bonus``)."""
+    """QA reward: −1 on bad format, else EM or F1 (``metric``) of the boxed answer (+``tool_bonus``).
+    ``protocol``: the run's tool tags for the format gate (the registry passes them)."""
     answers = as_answer_list(ground_truth)
     return score_with_gate(
         solution_str,
@@ -113,4 +116,5 @@ def compute_score(
         extra_info=extra_info,
         tool_bonus=tool_bonus,
         require_format=require_format,
+        protocol=protocol,
     )

@@ -20,6 +20,12 @@ file, called for every row; ``examples/length_penalty_reward.py``). To route onl
 it instead: ``@register("mybench")`` on the function (or ``register("mybench", "my_pkg.rewards:score")``). Entries are
 stored as ``"module:function"`` strings or module-level functions so a snapshot of the registry
 pickles into reward worker processes.
+
+**The run's tool tags.** :func:`build_compute_score` reads the run's ``tools`` (the entries the rollout loads) into
+a :class:`~arpo.protocol.ToolProtocol` and gives it to every reward that declares a ``protocol`` parameter (the
+built-in ones do), so the format gate accepts the tags the rollout lets the model call. A reward without that
+parameter is called exactly as before; without ``tools`` the built-in rewards keep their default, ``<search>`` and
+``<python>``.
 """
 
 from __future__ import annotations
@@ -27,10 +33,14 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+if TYPE_CHECKING:
+    from arpo.protocol import ToolProtocol
 
 RewardOutput = float | dict[str, Any]
 RewardFn = Callable[..., RewardOutput]
@@ -56,6 +66,29 @@ class RewardEntry:
         return getattr(importlib.import_module(module_name), fn_name or "compute_score")
 
 
+def takes_protocol(fn: RewardFn) -> bool:
+    """Whether a reward declares a ``protocol`` parameter by name (``**kwargs`` does not count: such a reward may
+    pass its keywords on to code that rejects an unknown one)."""
+    try:
+        param = inspect.signature(fn).parameters.get("protocol")
+    except (TypeError, ValueError):
+        return False
+    return param is not None and param.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                inspect.Parameter.KEYWORD_ONLY)
+
+
+def call_reward(fn: RewardFn, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                protocol: "ToolProtocol | None") -> RewardOutput:
+    """``fn(*args, **kwargs)``, with ``protocol`` when ``fn`` declares it. A ``protocol`` in ``kwargs`` (a wrapper
+    passing on its own) wins, and is dropped for a reward that does not declare the parameter."""
+    kwargs = dict(kwargs)
+    forwarded = kwargs.pop("protocol", None)
+    protocol = forwarded if forwarded is not None else protocol
+    if protocol is not None and takes_protocol(fn):
+        kwargs["protocol"] = protocol
+    return fn(*args, **kwargs)
+
+
 class RewardRegistry:
     """Maps data sources (exact names and prefixes) to reward functions; callable like verl's
     ``default_compute_score``."""
@@ -63,6 +96,8 @@ class RewardRegistry:
     def __init__(self) -> None:
         self.exact: dict[str, RewardEntry] = {}
         self.prefixes: dict[str, RewardEntry] = {}
+        #: the run's tool tags, given to rewards that declare ``protocol``; None: each reward's own default
+        self.protocol: ToolProtocol | None = None
 
     def register(self, data_source: str, fn: str | RewardFn, *, prefix: bool = False, family: str = "custom",
                  **kwargs: Any) -> None:
@@ -99,12 +134,14 @@ class RewardRegistry:
         new = RewardRegistry()
         new.exact = {k: RewardEntry(e.target, e.family, dict(e.kwargs)) for k, e in self.exact.items()}
         new.prefixes = {k: RewardEntry(e.target, e.family, dict(e.kwargs)) for k, e in self.prefixes.items()}
+        new.protocol = self.protocol
         return new
 
     def __call__(self, data_source: str, solution_str: str, ground_truth: Any,
                  extra_info: dict[str, Any] | None = None, **kwargs: Any) -> RewardOutput:
         entry = self.lookup(data_source)
-        return entry.resolve()(data_source, solution_str, ground_truth, extra_info, **{**entry.kwargs, **kwargs})
+        return call_reward(entry.resolve(), (data_source, solution_str, ground_truth, extra_info),
+                           {**entry.kwargs, **kwargs}, self.protocol)
 
 
 def builtin_registry() -> RewardRegistry:
@@ -183,16 +220,20 @@ def _load_function_from_file(path: str, name: str) -> RewardFn:
 
 class FileRewardFn:
     """A reward function loaded from a file (verl's ``custom_reward_function``), called with
-    ``reward_kwargs`` appended. Pickles as (path, name, kwargs), so worker processes reload it."""
+    ``reward_kwargs`` appended, and ``protocol`` when it declares one. Pickles as its attributes, so worker
+    processes reload the file."""
 
     def __init__(self, path: str, name: str = "compute_score", reward_kwargs: Mapping[str, Any] | None = None):
         self.path = os.path.abspath(os.path.expanduser(path))
         self.name = name or "compute_score"
         self.reward_kwargs = dict(reward_kwargs or {})
+        #: the run's tool tags (see :class:`RewardRegistry`)
+        self.protocol: ToolProtocol | None = None
         _load_function_from_file(self.path, self.name)  # fail now, with a clear message, not per sample
 
     def __call__(self, *args: Any, **kwargs: Any) -> RewardOutput:
-        return _load_function_from_file(self.path, self.name)(*args, **kwargs, **self.reward_kwargs)
+        return call_reward(_load_function_from_file(self.path, self.name), args, {**kwargs, **self.reward_kwargs},
+                           self.protocol)
 
     def __repr__(self) -> str:
         return f"FileRewardFn(path={self.path!r}, name={self.name!r}, reward_kwargs={self.reward_kwargs!r})"
@@ -213,12 +254,16 @@ def build_compute_score(config: Mapping[str, Any] | Any | None = None) -> Reward
 
     Options read from ``config.reward`` (see ``configs/reward.yaml``): ``math_mode`` (equiv|f1),
     ``math_timeout_s``, ``qa_metric`` (f1|em), ``deep_research_tool_bonus``, ``deep_research_variant``
-    (fixed|released).
+    (fixed|released). ``config.tools`` gives the rewards that declare ``protocol`` the run's tool tags
+    (:func:`run_protocol`).
     """
+    protocol = run_protocol(config)
     custom = load_custom_reward_fn(config) if config is not None else None
     if custom is not None:
+        custom.protocol = protocol
         return custom
     reg = REGISTRY.copy()
+    reg.protocol = protocol
     options = (config_value(config, "reward") if config is not None else None) or {}
     math_mode = config_value(options, "math_mode")
     if math_mode is not None:
@@ -242,6 +287,18 @@ def build_compute_score(config: Mapping[str, Any] | Any | None = None) -> Reward
             raise ValueError(f"reward.deep_research_variant must be one of {VARIANTS}, got {variant!r}")
         reg.configure("deep_research", variant=str(variant))
     return reg
+
+
+def run_protocol(config: Mapping[str, Any] | Any | None) -> "ToolProtocol | None":
+    """The tag protocol of the run's tools (``config.tools``: the rollout's tool entries or a tool YAML path),
+    read without starting any tool; None when the config declares no tools."""
+    declared = config_value(config, "tools")
+    if not declared:
+        return None
+    # imported here: reward worker processes get the protocol pickled and never import the tool classes
+    from tools.registry import tool_protocol
+
+    return tool_protocol(declared)
 
 
 def config_value(obj: Any, key: str) -> Any:

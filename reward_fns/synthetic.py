@@ -21,6 +21,7 @@ import re
 from fractions import Fraction
 from typing import Any
 
+from arpo.protocol import DEFAULT_PROTOCOL, ToolProtocol
 from reward_fns import qa
 from reward_fns.gate import score_with_gate
 
@@ -77,8 +78,10 @@ def compute_score(
     entity_metric: str = "em",
     tool_bonus: float = 0.0,
     require_format: bool = True,
+    protocol: ToolProtocol = DEFAULT_PROTOCOL,
 ) -> dict[str, Any]:
-    """Synthetic-benchmark reward: −1 on bad format, else 1/0 numeric or entity correctness."""
+    """Synthetic-benchmark reward: −1 on bad format, else 1/0 numeric or entity correctness.
+    ``protocol``: the run's tool tags for the format gate (the registry passes them)."""
     answers = qa.as_answer_list(ground_truth)
     return score_with_gate(
         solution_str,
@@ -86,4 +89,5 @@ def compute_score(
         extra_info=extra_info,
         tool_bonus=tool_bonus,
         require_format=require_format,
+        protocol=protocol,
     )

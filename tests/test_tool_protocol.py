@@ -16,7 +16,7 @@ from arpo.testing.scripted_engine import ScriptedEngine, ToyTokenizer
 from examples.unit_converter_tool import UnitConverterTool
 from tests.rollout.fake_tools import FakePython, FakeSearch
 from tools.base import BaseTool
-from tools.registry import ToolConfigError, load_tools
+from tools.registry import ToolConfigError, load_tools, tool_protocol
 
 CONVERTER = "examples.unit_converter_tool.UnitConverterTool"
 
@@ -119,3 +119,25 @@ def test_the_arpo_tags_agent_loop_parser_reads_the_loaded_tools_tags():
     # without the loaded tools' protocol: search and python's tags, as before
     assert make_tool_parser("arpo_tags", ["python", "search", "unit_converter"]).stop_strings == \
         ("</python>", "</search>")
+
+
+def test_tool_protocol_reads_the_tags_from_the_entries_without_building_the_tools():
+    """What the rewards read: the loaded tools' protocol, from a tool file or a run's entries (no tool started, no
+    tool config resolved)."""
+    from omegaconf import OmegaConf
+
+    reg = load_tools("examples/unit_converter_tools.yaml")
+    try:
+        assert tool_protocol("examples/unit_converter_tools.yaml") == reg.protocol
+    finally:
+        reg.close()
+    run = OmegaConf.create({"tools": [
+        {"class_name": "tests.rollout.fake_tools.FakeSearch", "config": {"corpus": "${no_such_key}"}},
+        {"class_name": "tests.test_tool_protocol.EchoTool"}, {"class_name": CONVERTER, "tag": "units"}]})
+    assert tool_protocol(run.tools).tags == {"search": "search", "echo": "echo", "unit_converter": "units"}
+    entries = [{"class_name": "tests.rollout.fake_tools.FakeSearch"}, {"class_name": CONVERTER, "tag": "search"}]
+    with pytest.raises(ToolConfigError, match=r"^tools\[1\]\.tag \(unit_converter\): 'search' is already the tag of "
+                                              r"tools\[0\]; .*loaded tools: search <search>, unit_converter <search>$"):
+        tool_protocol({"tools": entries})
+    with pytest.raises(ToolConfigError, match=r"^tools\[0\]\.class_name: cannot import module 'no_such'"):
+        tool_protocol([{"class_name": "no_such.Tool"}])

@@ -9,7 +9,8 @@
 
 The ARPO rollout looks tools up by name (``registry["search"]``; ``registry.protocol`` says which tag calls
 which tool), the agent loop by function name (``registry.by_function("web_search")`` when a schema renames
-it); both get the same object. Every validation error names the entry and field (``tools[1].class_name``)
+it); both get the same object. :func:`tool_protocol` reads the same tags from the entries without building the
+tools (the rewards' format gate needs only the tags). Every validation error names the entry and field (``tools[1].class_name``)
 and the fix.
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -189,8 +190,11 @@ def build_tool(entry: Any, where: str = "tools[0]") -> BaseTool:
     return tool
 
 
-def load_tools(source: str | Path | Mapping | list | Any) -> ToolRegistry:
-    """Build the registry from a YAML path, a ``{tools: [...]}`` mapping, a list of entries, or a DictConfig."""
+def _entries(source: str | Path | Mapping | list | Any, resolve: bool = True) -> Any:
+    """The tool entries of a YAML path, a ``{tools: [...]}`` mapping, a list of entries or a DictConfig.
+
+    ``resolve=False`` keeps a DictConfig as it is, so only the keys read are resolved (a config's other
+    interpolations may need keys that are absent where only the tags are wanted)."""
     if isinstance(source, (str, Path)):
         path = Path(source)
         if not path.is_file():
@@ -199,11 +203,18 @@ def load_tools(source: str | Path | Mapping | list | Any) -> ToolRegistry:
 
         # OmegaConf rather than plain YAML so ${oc.env:VAR,default} interpolations work in tool files
         source = OmegaConf.load(path)
-    source = _to_plain(source)
+    if resolve:
+        source = _to_plain(source)
     entries = source.get("tools") if isinstance(source, Mapping) else source
-    if not isinstance(entries, list):
+    if isinstance(entries, (str, bytes)) or not isinstance(entries, Sequence):
         raise ToolConfigError("tools: expected a list of tool entries "
                               "(tools: [{class_name: ..., config: {...}}])")
+    return entries
+
+
+def load_tools(source: str | Path | Mapping | list | Any) -> ToolRegistry:
+    """Build the registry from a YAML path, a ``{tools: [...]}`` mapping, a list of entries, or a DictConfig."""
+    entries = _entries(source)
     built: list[BaseTool] = []
     try:
         for i, entry in enumerate(entries):
@@ -213,3 +224,29 @@ def load_tools(source: str | Path | Mapping | list | Any) -> ToolRegistry:
         for tool in built:
             tool.close()
         raise
+
+
+def tool_protocol(source: str | Path | Mapping | list | Any) -> ToolProtocol:
+    """The tag protocol of declared tools (same sources as :func:`load_tools`), without building any tool.
+
+    For processes that only read the tags, such as the rewards' format gate: it imports each class and reads
+    its ``name`` and ``tag`` class attributes and the entry's ``tag:``, so no tool is started (no sandbox pool,
+    no search index). Equal to ``load_tools(source).protocol`` for tools that set both as class attributes."""
+    tags: dict[str, str] = {}
+    for i, entry in enumerate(_entries(source, resolve=False)):
+        where = f"tools[{i}]"
+        if not isinstance(entry, Mapping) or "class_name" not in entry:
+            raise ToolConfigError(f"{where}.class_name: missing; e.g. class_name: tools.search.tool.SearchTool")
+        cls = _import_class(entry["class_name"], where)
+        if not cls.name:
+            raise ToolConfigError(f"{where}.class_name: {entry['class_name']} has an empty 'name'")
+        if cls.name in tags:
+            first = list(tags).index(cls.name)
+            raise ToolConfigError(f"tools[{i}]: two tools use the name {cls.name!r} (tools[{first}] too); the "
+                                  "registry and the rollout's records key tools by name, so each needs its own")
+        tag = entry["tag"] if "tag" in entry else cls.tag  # as build_tool: the entry's tag wins, even empty
+        tags[cls.name] = tag or cls.name
+    try:
+        return ToolProtocol(tags)
+    except ValueError as e:
+        raise ToolConfigError(str(e)) from e

@@ -26,12 +26,14 @@ STRICT_KEYS = ("score", "acc", "em", "f1", "format_ok")
 
 
 def grader_for(meta: dict[str, Any]):
-    """The Grader of the run's recorded reward settings (custom function or the configured registry)."""
+    """The Grader of the run's recorded reward settings (custom function or the configured registry) and tools
+    (their tags, for the format gate)."""
     from arpo.evaluation.runner import Grader
     from reward_fns.registry import build_compute_score
 
     reward = dict(meta.get("reward") or {})
-    config = {"custom_reward_function": reward.pop("custom_reward_function", None) or {}, "reward": reward}
+    config = {"custom_reward_function": reward.pop("custom_reward_function", None) or {}, "reward": reward,
+              "tools": meta.get("tools")}
     return Grader(build_compute_score(config), require_format=bool(meta.get("require_format", False)))
 
 

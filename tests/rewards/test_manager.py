@@ -13,7 +13,7 @@ from arpo.batch import Trajectory, collate_trajectories
 from reward_fns import FileRewardFn, build_compute_score
 from reward_fns.manager import RewardManager, build_token_level_rewards
 
-from .conftest import PYTHON_CHECK, SEARCH_CITIBANK, respond
+from .conftest import PYTHON_CHECK, REPO_ROOT, SEARCH_CITIBANK, respond
 
 BOTH = respond(SEARCH_CITIBANK, PYTHON_CHECK, answer="James Madison")
 HALF = respond(answer="0.5")
@@ -100,6 +100,28 @@ def test_from_config_reads_the_reward_section(tmp_path):
     assert manager.executor_kind == "serial" and manager.error_score == -0.5
     assert manager.position == "last_model_token"
     assert manager.score([ITEMS[2]]).scores == [0.0]  # math graded by token F1
+
+
+# a response calling the unit converter by its tag, <convert>, with the result the rollout appended
+CONVERT = respond(("convert", "3 km to mi", "3 km = 1.864 mi"), answer="1.864")
+CONVERT_ITEMS = [("synthetic/python", CONVERT, "1.864", None), ("DR_grpo_mix", CONVERT, "1.864", None)]
+
+
+def test_from_config_gives_the_rewards_the_run_s_tool_tags():
+    """The run's tools (here the unit converter) reach the format gate in the reward worker processes: without
+    them <convert> is unknown text and its <result> a hallucinated tool output (-1)."""
+    omegaconf = pytest.importorskip("omegaconf")
+    reward = omegaconf.OmegaConf.load(REPO_ROOT / "configs" / "reward.yaml")
+    tools = omegaconf.OmegaConf.load(REPO_ROOT / "examples" / "unit_converter_tools.yaml")
+    reward.reward.num_workers = 2
+    with RewardManager.from_config(omegaconf.OmegaConf.merge(reward, tools)) as manager:
+        assert manager.executor_kind == "process"
+        result = manager.score(CONVERT_ITEMS)
+    # synthetic: correct; deep_research: F1 1 + the bonus, since every loaded tool (the converter) really ran
+    assert result.scores == pytest.approx([1.0, 1.1])
+    assert [row["format_ok"] for row in result.rows] == [1.0, 1.0]
+    with RewardManager.from_config({"reward": {"num_workers": 1}}) as manager:  # no tools: search and python
+        assert manager.score(CONVERT_ITEMS).scores == [-1.0, -1.0]
 
 
 def _batch(records):

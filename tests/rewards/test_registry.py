@@ -126,3 +126,43 @@ def test_custom_reward_function_errors_name_the_key(tmp_path):
 def test_deep_research_file_loads_by_path_like_the_official_scripts():
     fn = FileRewardFn(str(REPO_ROOT / "reward_fns" / "deep_research.py"), "compute_score")
     assert fn("DR_grpo_mix", BOTH_TOOLS, "0.5")["score"] == pytest.approx(1.1)
+
+
+PROTOCOL_REWARDS = textwrap.dedent('''
+    from reward_fns import default_compute_score
+
+    def tags(data_source, solution_str, ground_truth, extra_info=None, protocol=None):
+        return {"score": 1.0, "tags": ",".join(protocol.tags.values()) if protocol else "none"}
+
+    def wrapper(data_source, solution_str, ground_truth, extra_info=None, protocol=None):
+        return default_compute_score(data_source, solution_str, ground_truth, extra_info, protocol=protocol)
+''')
+CONVERTER_TOOLS = {"tools": [{"class_name": "examples.unit_converter_tool.UnitConverterTool", "tag": "convert"}]}
+CONVERT = respond(("convert", "3 km to mi", "3 km = 1.864 mi"), answer="1.864")
+
+
+def test_the_run_s_tools_reach_rewards_that_declare_protocol_and_only_those(tmp_path):
+    fn = build_compute_score(CONVERTER_TOOLS)
+    assert fn.protocol.tags == {"unit_converter": "convert"}
+    assert pickle.loads(pickle.dumps(fn))("synthetic/python", CONVERT, "1.864")["score"] == 1.0
+    assert build_compute_score(None)("synthetic/python", CONVERT, "1.864")["score"] == -1.0  # default: not a tag
+    assert build_compute_score({"tools": []}).protocol is None
+    # a registered reward with verl's four arguments (or **kwargs) is called as before
+    seen = []
+    fn.register("old_style", lambda ds, sol, gt, extra=None, **kwargs: seen.append(kwargs) or 0.5)
+    assert fn("old_style", CONVERT, "x") == 0.5 and seen == [{}]
+    # a custom file: the declared parameter gets the tags; a wrapper passes them on to the routed reward, and
+    # they are dropped for a route that does not declare them
+    path = tmp_path / "protocol_rewards.py"
+    path.write_text(PROTOCOL_REWARDS)
+    config = {**CONVERTER_TOOLS, "custom_reward_function": {"path": str(path), "name": "tags"}}
+    assert build_compute_score(config)("a", "b", "c")["tags"] == "convert"
+    assert build_compute_score({"custom_reward_function": {"path": str(path), "name": "tags"}})("a", "b", "c")[
+        "tags"] == "none"
+    wrapper = build_compute_score({**config, "custom_reward_function": {"path": str(path), "name": "wrapper"}})
+    assert pickle.loads(pickle.dumps(wrapper))("synthetic/python", CONVERT, "1.864")["score"] == 1.0
+    REGISTRY.register("test_only_old_style", lambda ds, sol, gt, extra=None: 0.25)
+    try:
+        assert wrapper("test_only_old_style", CONVERT, "x") == 0.25
+    finally:
+        del REGISTRY.exact["test_only_old_style"]
