@@ -130,11 +130,15 @@ def test_unit_converter_tool_is_called_through_the_tool_registry():
 
 def test_unit_converter_tool_is_called_on_the_arpo_rollout_path():
     """The model writes <convert>…</convert> beside search and python: the engine is told to stop on its close tag,
-    the rollout runs the tool and appends its result (masked), and the format gate given the same tools accepts it."""
+    the rollout runs the tool and appends its result (masked), and the run's reward, configured with the same tools,
+    accepts it."""
+    from omegaconf import OmegaConf
+
     from arpo.protocol import RESULT_OPEN
     from arpo.rollout.arpo_rollout import ARPORollout
     from arpo.testing.scripted_engine import ScriptedEngine, ToyTokenizer
-    from reward_fns.gate import check_format, score_with_gate
+    from reward_fns.gate import check_format
+    from reward_fns.registry import build_compute_score
     from tests.rollout.fake_tools import FakePython, FakeSearch
     from tools.registry import load_tools
 
@@ -150,6 +154,10 @@ def test_unit_converter_tool_is_called_on_the_arpo_rollout_path():
         gen.close()
         reg.close()
     assert gen.protocol.tags == {"search": "search", "python": "python", "unit_converter": "convert"}
+    # the reward as training builds it from the run's tool entries (none of them started)
+    entries = [{"class_name": f"tests.rollout.fake_tools.{cls}"} for cls in ("FakeSearch", "FakePython")]
+    reward = build_compute_score({"tools": [*entries, *OmegaConf.load("examples/unit_converter_tools.yaml").tools]})
+    assert reward.protocol == gen.protocol
     assert set(engine.requests[0].sampling_params.stop) >= {"</search>", "</python>", "</convert>"}
     tok = engine.tokenizer
     for r in rows(batch):
@@ -160,8 +168,7 @@ def test_unit_converter_tool_is_called_on_the_arpo_rollout_path():
         # the result's tokens are the tool's, not the policy's: masked out of the loss
         assert tok.decode(r["ids"][record["start"]: record["end"]]) == " <result>\n3 km = 1.864 mi\n</result>"
         assert set(r["mask"][record["start"]: record["end"]]) == {0} and r["finish"] == "stop"
-        # the format gate reads the new tag only when given the run's tools
+        # the format gate reads the new tag only when given the run's tools, which the run's reward does
         assert not check_format(text).ok
-        scored = score_with_gate(text, lambda pred: {"acc": float(pred == "1.864"), "em": 0.0, "f1": 0.0},
-                                 protocol=gen.protocol)
+        scored = reward("synthetic/python", text, "1.864", {"tool_calls": r["calls"]})
         assert scored["format_ok"] == 1.0 and scored["score"] == 1.0

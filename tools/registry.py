@@ -10,8 +10,8 @@
 The ARPO rollout looks tools up by name (``registry["search"]``; ``registry.protocol`` says which tag calls
 which tool), the agent loop by function name (``registry.by_function("web_search")`` when a schema renames
 it); both get the same object. :func:`tool_protocol` reads the same tags from the entries without building the
-tools (the rewards' format gate needs only the tags). Every validation error names the entry and field (``tools[1].class_name``)
-and the fix.
+tools (the rewards' format gate needs only the tags). Every validation error names the entry and field
+(``tools[1].class_name``) and the fix.
 """
 
 from __future__ import annotations

@@ -110,3 +110,23 @@ def test_metric_profile_is_validated_and_recorded(tmp_path):
         "metric_profile"] == "arpo"
     s = summary["benchmarks"]["bamboogle"]
     assert s["acc"]["mean"] == 0.0 and s["acc_by_profile"]["strict"]["mean"] == 1.0
+
+
+def test_evaluation_and_rescore_grade_with_the_run_s_tool_tags(tmp_path):
+    """A <convert> call is well formed when the run loads the unit converter: the evaluation's config reaches the
+    format gate, and rescore reads the tools recorded in run.json (strict profile, format required)."""
+    from omegaconf import OmegaConf
+
+    from arpo.evaluation.rescore import grader_for
+    from reward_fns.registry import build_compute_score
+
+    converter = OmegaConf.load("examples/unit_converter_tools.yaml").tools
+    cfg = load_config("eval", [])
+    cfg.tools = converter
+    assert build_compute_score(cfg).protocol.tags == {"unit_converter": "convert"}
+    response = ("<think>miles</think><convert>3 km to mi</convert> <result>\n3 km = 1.864 mi\n</result>"
+                "<think>done</think><answer>\\boxed{1.864}</answer>")
+    meta = {"reward": REWARD, "require_format": True, "tools": OmegaConf.to_container(converter)}
+    graded = grader_for(meta).grade("synthetic/python", response, "1.864", {})
+    assert graded["format_ok"] == 1.0 and graded["score"] == 1.0
+    assert grader_for({**meta, "tools": None}).grade("synthetic/python", response, "1.864", {})["score"] == -1.0
