@@ -25,6 +25,7 @@ ROLLOUT_MODES = ("arpo", "single", "agent_loop")
 
 def validate_config(cfg: DictConfig) -> None:
     """Every cross-key rule, checked before anything starts; each failure is one line naming keys and fix."""
+    from arpo.chat_templates import configured_template
     from arpo.engine.config import EngineConfig
     from arpo.rollout.config import ARPORolloutConfig
     from arpo.trainer.actor_config import (rollout_temperature, validate_actor_config, validate_critic_config,
@@ -59,6 +60,7 @@ def validate_config(cfg: DictConfig) -> None:
             require_path(f, f"data.{key}", "generate the data with `python -m arpo.data.synthetic` or point it at "
                                            "verl-format parquet or prompt/answer JSONL files", kind="file")
     try:
+        configured_template(cfg)
         EngineConfig.from_cfg(cfg)
         arpo_cfg = ARPORolloutConfig.from_dict(r.arpo)
         validate_algorithm_config(cfg)
@@ -152,8 +154,7 @@ def check_cluster_fits(cfg: DictConfig) -> None:
 
 
 def build_trainer(cfg: DictConfig):
-    from transformers import AutoTokenizer
-
+    from arpo.chat_templates import tokenizer_for
     from arpo.data.rl_dataset import create_rl_dataloaders
     from arpo.engine.factory import create_engines
     from arpo.placement import resolve_rollout_auto
@@ -165,8 +166,7 @@ def build_trainer(cfg: DictConfig):
     from tools.registry import load_tools
 
     t = cfg.trainer
-    model_path = str(cfg.actor_rollout_ref.model.path)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = tokenizer_for(cfg)
     train_loader, val_loader = create_rl_dataloaders(cfg, tokenizer)
     init_ray(cfg)
     resolve_rollout_auto(cfg, uses_gpu_placement(cfg))  # num_replicas, free_cache_engine: null -> by placement

@@ -87,9 +87,15 @@ def top_level_key(override: str) -> str:
     return override.lstrip("+~").split("=", 1)[0].split(".", 1)[0]
 
 
+#: overrides that also reach SFT though their section is the RL stage's: the chat template SFT trains with (and
+#: saves in its checkpoint) must be the one RL renders prompts with
+SHARED_WITH_SFT = ("actor_rollout_ref.model.custom_chat_template=",)
+
+
 def overrides_for_stage(stage: str, overrides: list[str]) -> list[str]:
     """The overrides whose top-level key belongs to ``stage``'s config."""
-    return [o for o in overrides if top_level_key(o) in STAGE_KEYS[stage]]
+    return [o for o in overrides if top_level_key(o) in STAGE_KEYS[stage]
+            or (stage == "sft" and o.lstrip("+").startswith(SHARED_WITH_SFT))]
 
 
 def check_overrides(overrides: list[str]) -> None:

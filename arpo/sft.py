@@ -378,8 +378,9 @@ def train_sft(model, examples: list | DemonstrationStream, *, epochs: int, batch
 
 def run_sft(cfg) -> Path:
     """Build demonstrations, train, save an HF checkpoint to ``sft.out_dir``; return its path."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
+    from arpo.chat_templates import configured_template, tokenizer_for
     from arpo.config import ConfigError, require_path
     from arpo.seeding import seed_everything
     from tools.registry import load_tools
@@ -389,6 +390,7 @@ def run_sft(cfg) -> Path:
         raise ConfigError(f"sft.dtype={s.dtype!r} is not valid; choose float32, bfloat16 or fast")
     if s.max_minutes is not None and not (isinstance(s.max_minutes, (int, float)) and s.max_minutes > 0):
         raise ConfigError(f"sft.max_minutes={s.max_minutes!r} is not valid; use null (no time limit) or minutes > 0")
+    configured_template(cfg)  # a bad value stops before any work
     seed_everything(s.seed)
     model_path = require_path(cfg.actor_rollout_ref.model.path, "actor_rollout_ref.model.path",
                               "build the tiny model with `python -m arpo.models.tiny` or point it at an HF checkpoint",
@@ -396,7 +398,7 @@ def run_sft(cfg) -> Path:
     train_file = require_path(s.train_file, "sft.train_file",
                               "generate it with `python -m arpo.data.synthetic` or point it at a verl parquet file")
     torch.set_num_threads(max(1, int(s.num_threads)))
-    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    tokenizer = tokenizer_for(cfg)  # saved with the checkpoint below, so RL renders prompts with the same template
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
     tools = load_tools(cfg.tools)
     df = pd.read_parquet(train_file)

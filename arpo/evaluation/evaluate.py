@@ -57,6 +57,8 @@ def run_dir_of(cfg: DictConfig) -> Path:
 
 
 def _check_settings(cfg: DictConfig) -> None:
+    from arpo.chat_templates import configured_template
+
     e = cfg.eval
     for key in ("prompt_type", "math_prompt_type", "parquet_prompt"):
         value = e[key]
@@ -75,6 +77,7 @@ def _check_settings(cfg: DictConfig) -> None:
         raise ConfigError(f"eval.max_samples={e.max_samples}: must be >= 1 or null (all questions)")
     if not list(e.benchmarks) and not list(e.parquet_files):
         raise ConfigError("nothing to evaluate: eval.benchmarks and eval.parquet_files are both empty")
+    configured_template(cfg)
 
 
 def _reward_family(compute_score: Any, data_source: str) -> str | None:
@@ -261,8 +264,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 def _generate(cfg: DictConfig, rollout_config: Any, grader: Any, run_dir: Path, meta: dict[str, Any],
               pending: list[tuple[EvalItem, int]]) -> None:
     """Start the tokenizer, tools and engine, run the pending samples, and shut everything down."""
-    from transformers import AutoTokenizer
-
+    from arpo.chat_templates import tokenizer_for
     from arpo.engine.factory import create_engine
     from arpo.evaluation.records import SampleWriter
     from arpo.evaluation.runner import EvalRunner, SampleSpec
@@ -273,7 +275,7 @@ def _generate(cfg: DictConfig, rollout_config: Any, grader: Any, run_dir: Path, 
     if not Path(model_path).is_dir():
         raise ConfigError(f"actor_rollout_ref.model.path={model_path}: no such directory; give an HF checkpoint "
                           f"(the tiny SFT model: python -m arpo.pipeline)")
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = tokenizer_for(cfg)
     specs = [SampleSpec(item, run, encode_prompt(tokenizer, item.messages)) for item, run in pending]
     try:
         tools = load_tools(cfg.tools)
