@@ -9,8 +9,9 @@ Two inputs:
 - rollout rows with per-token entropy (``experiments/dump_rollout_entropy.py``, the ARPO rollout with
   ``return_entropy: true``): ``token_entropy`` (NaN/None on tool tokens), ``tool_calls`` (``{"tool", "start",
   "end"}``: the response positions of each result), ``parent_index`` and ``branch_pos`` (the fork tree).
-  They give the measurement behind ARPO's motivation — entropy rises in the first 10–50 tokens after a tool
-  result, more after search than after Python — and where the rollout forked.
+  They give the measurement behind ARPO's motivation (the paper reports entropy rising in the first 10–50 tokens
+  after a tool result, more after search than after Python; whether a model shows it is measured, not assumed:
+  docs/premise.md) and where the rollout forked.
 """
 
 from __future__ import annotations
@@ -277,7 +278,8 @@ ENTROPY_DIGITS = 5
 
 def rollout_rows(batch: Any, data_sources: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """One JSON-ready row per trajectory of a rollout batch (``arpo.batch.DataBatch``): the fork tree, tool calls
-    and, when the rollout ran with ``return_entropy``, per-token entropy; the score and accuracy once rewarded.
+    and, when the rollout ran with ``return_entropy``, per-token entropy; the score and accuracy once rewarded; the
+    prompt's and response's token ids and the response's loss mask (1 = model-written).
     ``data_sources`` names each prompt group's source when the batch has no ``data_source`` column."""
     nt, t = batch.non_tensors, batch.tensors
     scores = t["token_level_scores"].sum(-1).tolist() if "token_level_scores" in t else None
@@ -286,6 +288,11 @@ def rollout_rows(batch: Any, data_sources: Sequence[str] | None = None) -> list[
         group = int(nt["group_index"][i])
         ent = nt["token_entropy"][i] if "token_entropy" in nt else None
         length = len(ent) if ent is not None else int(t["attention_mask"][i, -t["responses"].shape[1]:].sum())
+        # the tokens themselves, so that another model can re-score the trajectory teacher-forced (arpo.entropy_probe)
+        ids = {} if "prompts" not in t else {
+            "prompt_ids": t["prompts"][i][t["attention_mask"][i, :t["prompts"].shape[1]].bool()].tolist(),
+            "response_ids": t["responses"][i, :length].tolist(),
+            "response_mask": t["response_mask"][i, :length].tolist()}
         rows.append(json_safe({
             "row": i, "group": group,
             "parent_index": int(nt["parent_index"][i]), "branch_pos": int(nt["branch_pos"][i]),
@@ -300,6 +307,7 @@ def rollout_rows(batch: Any, data_sources: Sequence[str] | None = None) -> list[
             "data_source": data_sources[group] if data_sources is not None else str(nt["data_source"][i]),
             "score": scores[i] if scores is not None else None,
             "acc": float(nt["reward_acc"][i]) if "reward_acc" in nt else None,
+            **ids,
         }))
     return rows
 

@@ -98,8 +98,10 @@ def _rollout_batch() -> DataBatch:
     mask = torch.tensor([[1, 1, 1, 0, 0, 1, 1, 1]] * 2)
     scores = torch.zeros(2, 8)
     scores[0, -1] = 1.0
-    t = {"responses": torch.ones(2, 8, dtype=torch.long), "attention_mask": torch.ones(2, 12, dtype=torch.long),
-         "response_mask": mask, "token_level_scores": scores}
+    attention = torch.ones(2, 12, dtype=torch.long)
+    attention[1, :2] = 0  # the second prompt is 2 tokens shorter (left padding)
+    t = {"prompts": torch.arange(8).view(2, 4), "responses": torch.arange(16).view(2, 8),
+         "attention_mask": attention, "response_mask": mask, "token_level_scores": scores}
     return DataBatch(t, nt, {})
 
 
@@ -109,6 +111,9 @@ def test_rollout_rows_and_run_plots(tmp_path):
     assert rows[0]["token_entropy"][3] is None and rows[0]["token_entropy"][5] == 0.5
     assert rows[0]["score"] == 1.0 and rows[1]["acc"] == 0.0 and rows[0]["model_tokens"] == 6
     json.dumps(rows, allow_nan=False)  # JSON-safe: NaN became null
+    # the tokens themselves (padding left out), so that a model can re-score the trajectories
+    assert rows[0]["prompt_ids"] == [0, 1, 2, 3] and rows[1]["prompt_ids"] == [6, 7]
+    assert rows[1]["response_ids"] == list(range(8, 16)) and rows[0]["response_mask"] == [1, 1, 1, 0, 0, 1, 1, 1]
 
     run = tmp_path / "rl"
     (run / "logs").mkdir(parents=True)

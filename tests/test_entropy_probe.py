@@ -199,6 +199,52 @@ def test_rollout_rows_align_as_the_rollout_analysis_does():
     assert "full" not in summary["curves"]  # no model: the recorded top-k entropy only
 
 
+def _as_rollout_row(traj: Trajectory, prompt_len: int = 6) -> dict:
+    """``traj`` as a rollout dump row keeping its token ids (positions relative to the response)."""
+    calls = [{"tool": r.tool, "start": r.start - prompt_len, "end": r.end - prompt_len} for r in traj.results]
+    return {"parent_index": -1, "branch_pos": 0, "tool_calls": calls, "prompt_ids": traj.ids[:prompt_len],
+            "response_ids": traj.ids[prompt_len:], "response_mask": [int(m) for m in traj.model_mask[prompt_len:]]}
+
+
+def test_rollout_rows_with_token_ids_are_re_scored_teacher_forced(tmp_path):
+    """A dump row that keeps its ids reads back as the trajectory it came from (prompt first, results placed in
+    the whole sequence), so a model re-scores it: the scripted uncertainty is found at offset 0 as on the original."""
+    rng = random.Random(0)
+    originals = [scripted_trajectory(rng, f"t{i}") for i in range(12)]
+    (tmp_path / "step_1.jsonl").write_text("".join(json.dumps(_as_rollout_row(t)) + "\n" for t in originals))
+    read = read_trajectories(tmp_path / "step_1.jsonl")
+    for mine, want in zip(read, originals):
+        assert mine.ids == want.ids and mine.model_mask == want.model_mask and mine.recorded is None
+        assert [(r.tool, r.start, r.end) for r in mine.results] == [(r.tool, r.start, r.end) for r in want.results]
+    kwargs = dict(vocab_size=VOCAB, topk=10, window=5, before=10, after=20, resamples=200, show_progress=False)
+    mine, want = probe(read, ScriptedLM(), **kwargs), probe(originals, ScriptedLM(), **kwargs)
+    for name in ("full", "topk"):
+        for tool in ("search", "python"):
+            assert mine["premise"][name][tool]["mean"] == pytest.approx(want["premise"][name][tool]["mean"], rel=1e-9)
+            curve = np.asarray(mine["curves"][name][tool]["mean"], dtype=float)
+            assert mine["offsets"][int(np.nanargmax(curve))] == 0
+
+
+def test_a_rollout_row_keeping_its_ids_gives_the_same_recorded_curves():
+    """Keeping the ids shifts every position by the prompt's length, and nothing else: recorded entropy around a
+    result, forks and results read the same."""
+    from arpo.entropy_probe.trajectories import from_rollout_row
+
+    rng = random.Random(3)
+    ent = [round(rng.random(), 5) for _ in range(120)]
+    ent[30:45] = [None] * 15
+    row = {"parent_index": 0, "branch_pos": 20, "token_entropy": ent,
+           "tool_calls": [{"tool": "search", "start": 30, "end": 45}]}
+    with_ids = {**row, "prompt_ids": list(range(7)), "response_ids": list(range(120)),
+                "response_mask": [int(v is not None) for v in ent]}
+    plain, shifted = from_rollout_row("a", row), from_rollout_row("b", with_ids)
+    assert shifted.own_from == plain.own_from + 7 and shifted.results[0].end == plain.results[0].end + 7
+    kwargs = dict(before=5, after=20, resamples=100, show_progress=False)
+    # (the random control is drawn afresh: only the result's curve must match)
+    same = [json.dumps(probe([t], **kwargs)["curves"]["topk"]["search"]) for t in (shifted, plain)]  # NaN as NaN
+    assert same[0] == same[1]
+
+
 def test_unknown_trajectory_format_is_one_clear_error(tmp_path, capsys):
     from arpo.entropy_probe.__main__ import main
     from arpo.config import cli_main

@@ -1,7 +1,8 @@
 """Probe a model's token entropy around tool results: ``python -m arpo.entropy_probe --model M --trajectories F``.
 
 Writes ``<out>/<name>.json`` (curves, premise statistic with 95% intervals, settings, timing) and
-``<out>/<name>.png``. Without ``--model`` only rollout dumps can be read: their recorded top-k entropy is analysed.
+``<out>/<name>.png``. Without ``--model`` only rollout dumps can be read: their recorded top-k entropy is analysed;
+with it, rollout dumps that keep their token ids are re-scored teacher-forced like any other source.
 The defaults of ``--topk``, ``--window`` and ``--reduction`` are the trainer's
 (``actor_rollout_ref.rollout.arpo.entropy.*`` in configs/arpo_trainer.yaml).
 """

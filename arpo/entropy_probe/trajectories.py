@@ -4,9 +4,9 @@ Four sources, each read into :class:`Trajectory` (token ids of the whole sequenc
 tokens, the tool results' positions):
 
 * rollout dumps (``rl/rollouts/step_*.jsonl`` of a training run, ``experiments/dump_rollout_entropy.py``): rows
-  of :func:`arpo.analysis.rollout_rows`. They keep the fork tree, the tool calls' response positions and the
-  per-token entropy the rollout measured, but no token ids, so they cannot be re-scored by another model; the
-  probe analyses their *recorded* top-k entropy instead (the policy's own samples, at its sampling settings);
+  of :func:`arpo.analysis.rollout_rows`. They keep the fork tree, the tool calls' response positions, the
+  per-token entropy the rollout measured (the policy's own samples, at its sampling settings) and the token ids,
+  so a model can also re-score them teacher-forced (dumps written before the ids were kept: recorded entropy only);
 * evaluation records (``<run>/samples/<benchmark>.jsonl`` of ``python -m arpo.eval``): prompt and response text;
 * SFT trajectories in OpenAI ``messages`` form (``assistant`` and ``tool`` roles) or ShareGPT form
   (``conversations`` with ``from``/``value``; ``gpt`` and ``tool``/``observation``/``function``).
@@ -156,26 +156,35 @@ def from_messages(name: str, tokenizer, messages: list[dict[str, Any]],
 
 
 def from_rollout_row(name: str, row: dict[str, Any]) -> Trajectory | None:
-    """A rollout dump row with its recorded entropy (None for a row without it). A fork's tokens before its
+    """A rollout dump row: its recorded entropy and, where the row keeps its token ids, the ids (prompt then
+    response) that a model can re-score teacher-forced; None for a row with neither. A fork's tokens before its
     ``branch_pos`` are its parent's: its events start there (the window before a fork's first result is the
     parent's, shared)."""
     entropy = row.get("token_entropy")
-    if entropy is None:
+    has_ids = "prompt_ids" in row and "response_ids" in row
+    if entropy is None and not has_ids:
         return None
-    recorded = [math.nan if v is None else float(v) for v in entropy]
-    own_from = int(row.get("branch_pos") or 0) if int(row.get("parent_index", -1)) >= 0 else 0
-    mask = [not math.isnan(v) for v in recorded]
+    # positions are response positions in the row, sequence positions (prompt first) in a Trajectory with ids
+    offset = len(row["prompt_ids"]) if has_ids else 0
+    recorded = None if entropy is None else [math.nan] * offset + [math.nan if v is None else float(v)
+                                                                  for v in entropy]
+    if has_ids:
+        mask = [False] * offset + [bool(m) for m in row["response_mask"]]
+    else:
+        mask = [not math.isnan(v) for v in recorded]
+    own_from = offset + (int(row.get("branch_pos") or 0) if int(row.get("parent_index", -1)) >= 0 else 0)
     results = []
     for call in sorted(row.get("tool_calls") or [], key=lambda c: int(c["start"])):
-        start, end = int(call["start"]), int(call["end"])
-        # the call's own tokens are not in the row: the model tokens before the result stand for them
+        start, end = offset + int(call["start"]), offset + int(call["end"])
+        # the call's own tokens are not marked in the row: the model tokens before the result stand for them
         results.append(ToolResult(str(call["tool"]), start, start, end))
-    return Trajectory(name, mask, results, recorded=recorded, own_from=own_from,
+    ids = [int(i) for i in row["prompt_ids"]] + [int(i) for i in row["response_ids"]] if has_ids else None
+    return Trajectory(name, mask, results, ids=ids, recorded=recorded, own_from=own_from,
                       meta={"data_source": row.get("data_source")})
 
 
 def _format_of(row: dict[str, Any]) -> str:
-    if "token_entropy" in row and "tool_calls" in row:
+    if "tool_calls" in row and ("token_entropy" in row or "response_ids" in row):
         return "rollout"
     if "response" in row and "prompt" in row:
         return "eval"
