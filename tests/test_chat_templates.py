@@ -194,3 +194,17 @@ def test_the_pipeline_gives_sft_and_rl_the_same_template():
     override = f"{KEY}=qwen2.5"
     assert overrides_for_stage("sft", ["trainer.total_training_steps=2", override]) == [override]
     assert overrides_for_stage("arpo_trainer", [override]) == [override]
+
+
+@pytest.mark.parametrize("name", list(TEMPLATES))
+def test_the_agent_loops_render_tool_turns_incrementally_with_every_named_template(tokenizer_dir, name):
+    from arpo.agent_loop.templating import ChatTemplater
+
+    tokenizer = load_tokenizer(tokenizer_dir, name)
+    templater = ChatTemplater(tokenizer, [SEARCH_SCHEMA])
+    after_turn = templater.message_ids([{"role": "tool", "content": RESULT}], after=[tokenizer.eos_token_id])
+    expected = {"qwen2.5": f"\n<|im_start|>user\n<tool_response>\n{RESULT}\n</tool_response><|im_end|>\n"
+                           "<|im_start|>assistant\n",
+                "llama3": f"<|start_header_id|>tool<|end_header_id|>\n\n{RESULT.strip()}<|eot_id|>"
+                          "<|start_header_id|>assistant<|end_header_id|>\n\n"}
+    assert tokenizer.decode(after_turn) == expected.get(name, expected["qwen2.5"])
