@@ -27,6 +27,7 @@ workers' output go to stderr.
     ... --set actor_rollout_ref.model.dtype=float32           # any config key (YAML-typed value)
     ... --system 105 --set actor_rollout_ref.model.share_prefix=false   # a shared system prompt, run per row
     ... --set actor_rollout_ref.model.lora_rank=8 --set actor_rollout_ref.model.lora_alpha=16   # LoRA adapters
+    ... --layout-only --set actor_rollout_ref.actor.use_dynamic_bsz=true     # padding only (bench_layout.py)
     ... --trees experiments/results/smollm2_advantage/rollouts/arpo_soft.jsonl --prompt-len 200 \
         --set actor_rollout_ref.model.tree_packing=true|false
     python experiments/bench_trainer.py --model CONFIG_DIR --random-init --no-ray --ranks 1 --settings multi \
@@ -298,25 +299,9 @@ def _rank_stats(group) -> tuple[list[float], list[float], list[float]]:
             [s["cpu_s"] for s in stats])
 
 
-def policy_layout(group, cfg: dict, batch) -> dict:
-    """The policy's parameters and those it trains (LoRA: the adapters; counted on the meta device), and the
-    micro-batches the update runs on ``batch`` with their padding (:func:`arpo.trainer.dynamic_batching.update_padding`
-    on the ranks' shares; no model needed)."""
-    from arpo.trainer.dynamic_batching import update_padding
-    from arpo.trainer.fsdp_worker import ActorWorker
-    from arpo.trainer.lora import apply_lora
-
-    workers = [ActorWorker(cfg, "actor", r, group.world_size) for r in range(group.world_size)]
-    model, m = workers[0].empty_model(), workers[0].cfg.model
-    if workers[0].uses_lora:
-        model = apply_lora(model, m.lora_rank, m.lora_alpha, m.target_modules)
-    return {"params": sum(p.numel() for p in model.parameters()),
-            "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "update_micro_batches": update_padding(workers, group.update_shares(batch))}
-
-
 def run_setting(model: Path, ranks: int, cpus_per_rank: float, micro: int, batch, args) -> dict:
     from arpo.trainer.worker_group import LocalWorkerGroup, RayWorkerGroup
+    from experiments.bench_layout import policy_layout
 
     t0 = time.perf_counter()
     cfg = config(model, ranks, cpus_per_rank, micro, args)
@@ -417,6 +402,8 @@ def main() -> None:
     p.add_argument("--sample", type=int, default=0, metavar="TOKENS",
                    help="--numerics: sample this many response tokens from the model (on-policy tokens)")
     p.add_argument("--device", default="cpu", help="trainer.device: cpu | cuda | auto")
+    p.add_argument("--layout-only", action="store_true", help="only the parameters and the update's micro-batches "
+                   "and padding, from the config alone (no ranks, no timing): e.g. bf16's layout on an avx2-only CPU")
     p.add_argument("--no-ray", action="store_true", help="one rank in this process (LocalWorkerGroup), no Ray: "
                    "needs --ranks 1 --settings multi")
     p.add_argument("--profile", type=Path, default=None, metavar="PATH", help="with --no-ray: cProfile the timed "
@@ -459,12 +446,18 @@ def main() -> None:
                               "sampled_response_len": args.sample, **token_counts(batch),
                               **numerics(model, batch, args.chunk, args.sample)}, indent=2), file=out, flush=True)
             return
-        if not args.no_ray:
+        if not args.no_ray and not args.layout_only:
             from arpo.ray_utils import init_ray
 
             init_ray({"num_cpus": args.cpus, "object_store_memory": 200 * 1024 * 1024})
         for micro in (int(m) for m in args.micro.split(",")):
             entry: dict = {"micro": micro}
+            if args.layout_only:
+                from experiments.bench_layout import layout_only
+
+                cfg = config(model, args.ranks, 1, micro, args)
+                results.append({**entry, f"layout_{args.ranks}_ranks": layout_only(cfg, batch)})
+                continue
             if args.settings == "all":
                 single = run_setting(model, 1, args.cpus, micro, batch, args)
                 # One rank on one rank's share of the CPUs: separates the data-parallel gain from thread

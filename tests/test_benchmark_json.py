@@ -173,6 +173,22 @@ def test_bench_trainer_numerics(tiny_model_dir):
     assert 0 < result["packed_tokens"] < result["total_tokens"]
 
 
+def test_bench_trainer_layout_only_reports_lora_parameters_and_padding_without_ranks(tiny_model_dir):
+    """``--layout-only``: no ranks, no timing; LoRA's trainable parameters are its adapters, and bf16's left-aligned
+    rows batched two by two pad more than one row per micro-batch, which pads nothing."""
+    dump = Path(__file__).resolve().parents[1] / "experiments/results/smollm2_advantage/rollouts/arpo_soft.jsonl"
+    result = run_bench("bench_trainer.py", "--model", tiny_model_dir, "--layout-only", "--rows", 8, "--prompt-len",
+                       16, "--trees", dump, "--micro", "1,2", "--set", "actor_rollout_ref.model.dtype=bfloat16",
+                       "--set", "actor_rollout_ref.model.tree_packing=false",
+                       "--set", "actor_rollout_ref.model.lora_rank=4")
+    one, two = (r["layout_2_ranks"] for r in result["results"])
+    assert 0 < one["trainable_params"] < one["params"] and one["dtype"] == "bfloat16"
+    assert one["update_micro_batches"]["padding_fraction"] == 0.0
+    assert one["update_micro_batches"]["micro_batches_per_rank"] == [4, 4]
+    assert two["update_micro_batches"]["micro_batches_per_rank"] == [2, 2]
+    assert 0 < two["update_micro_batches"]["padding_fraction"] < 1
+
+
 def test_gpu_check_scale_smoke(tmp_path):
     """The prepared GPU check (experiments/gpu_check.sh) on CPU at small widths: Qwen2.5-7B's layout cut to two
     layers, one bench step through rank-0 loading and the bucketed weight sync, and the planner's table for the same
