@@ -101,6 +101,9 @@ class VLLMEngine:
             # update then drifted ~1e-6 from the same update in one process).
             _restore_env("LD_PRELOAD", preload)
         _skip_candidate_text(self._llm)
+        # Weight messages can be read in place only where the engine core runs the model itself; a worker in a
+        # process of its own (multiprocessing executor) gets its arguments pickled, and a view cannot be.
+        self._worker_in_core = self._llm.vllm_config.parallel_config.distributed_executor_backend == "uni"
         # Left to itself, AsyncLLM.__del__ shuts vLLM down during interpreter teardown, when vLLM's module
         # globals are already None ("TypeError: 'NoneType' object is not callable" at exit): a caller that never
         # calls shutdown() gets it called here first, while the interpreter is whole (weakly: no leak).
@@ -214,13 +217,16 @@ class VLLMEngine:
         where the receiving method's signature is a vLLM type, which a worker extension's is not), wrapped in vLLM's
         raw-view extension type so that the engine core reads them in place in the received frame: as plain bytes
         they were decoded into a copy (one more copy of the largest tensor, measured +113 MB on SmolLM2's
-        embedding). The engine core then holds the message in hand and the layers still waiting for weights."""
+        embedding). The engine core then holds the message in hand and the layers still waiting for weights. (With
+        vLLM's multiprocessing executor the worker is another process and gets the bytes pickled, as before.)"""
         import msgspec
         from vllm.v1.serial_utils import CUSTOM_TYPE_RAW_VIEW
 
         for part in split_bucket(bucket, MESSAGE_BYTES):
             entries = [[e.name, e.dtype, list(e.shape), e.offset] for e in part.entries]
-            data = msgspec.msgpack.Ext(CUSTOM_TYPE_RAW_VIEW, memoryview(part.buffer().numpy()))
+            data = memoryview(part.buffer().numpy())
+            if self._worker_in_core:
+                data = msgspec.msgpack.Ext(CUSTOM_TYPE_RAW_VIEW, data)
             await self._llm.collective_rpc("arpo_load_weight_bucket", args=(entries, data))
 
     async def finish_weight_update(self) -> None:

@@ -70,9 +70,12 @@ def test_missing_model_path_and_unknown_keys(tmp_path):
 
 
 def test_vllm_env_precedence(monkeypatch):
-    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
-    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    for key in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_V2_MODEL_RUNNER"):
+        # set first, so that the variable is restored after the test even where it was unset: configure_vllm_env
+        # writes os.environ, and a leaked VLLM_ENABLE_V1_MULTIPROCESSING=1 gave every later engine in this
+        # process (and the training runs it starts) vLLM's multiprocessing executor
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     # Model Runner V2 stays off until the reload -> preempting reset -> resume path is verified under it
     assert configure_vllm_env() == {"VLLM_CPU_KVCACHE_SPACE": str(DEFAULT_CPU_KVCACHE_SPACE_GB),
                                     "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "0"}
