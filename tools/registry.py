@@ -40,10 +40,7 @@ class ToolRegistry(Mapping):
         self._by_name: dict[str, BaseTool] = {}
         self._by_function: dict[str, BaseTool] = {}
         for i, tool in enumerate(tools):
-            if tool.name in self._by_name:
-                first = list(self._by_name).index(tool.name)
-                raise ToolConfigError(f"tools[{i}]: two tools use the name {tool.name!r} (tools[{first}] too); the "
-                                      "registry and the rollout's records key tools by name, so each needs its own")
+            _check_name_free(i, tool.name, list(self._by_name))
             if tool.function_name in self._by_function:
                 raise ToolConfigError(f"two tools use the function name {tool.function_name!r}; "
                                       "rename one in its tool_schema.function.name")
@@ -60,7 +57,7 @@ class ToolRegistry(Mapping):
             return self._by_name[name]
         if name in self._by_function:
             return self._by_function[name]
-        raise KeyError(f"no tool named {name!r}; tags: {sorted(self._by_name)}, functions: {sorted(self._by_function)}")
+        raise KeyError(f"no tool named {name!r}; names: {sorted(self._by_name)}, functions: {sorted(self._by_function)}")
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._by_name)
@@ -240,13 +237,17 @@ def tool_protocol(source: str | Path | Mapping | list | Any) -> ToolProtocol:
         cls = _import_class(entry["class_name"], where)
         if not cls.name:
             raise ToolConfigError(f"{where}.class_name: {entry['class_name']} has an empty 'name'")
-        if cls.name in tags:
-            first = list(tags).index(cls.name)
-            raise ToolConfigError(f"tools[{i}]: two tools use the name {cls.name!r} (tools[{first}] too); the "
-                                  "registry and the rollout's records key tools by name, so each needs its own")
+        _check_name_free(i, cls.name, list(tags))
         tag = entry["tag"] if "tag" in entry else cls.tag  # as build_tool: the entry's tag wins, even empty
         tags[cls.name] = tag or cls.name
     try:
         return ToolProtocol(tags)
     except ValueError as e:
         raise ToolConfigError(str(e)) from e
+
+
+def _check_name_free(i: int, name: str, names: list[str]) -> None:
+    """``tools[i]``'s name must not be one of the earlier tools' ``names``."""
+    if name in names:
+        raise ToolConfigError(f"tools[{i}]: two tools use the name {name!r} (tools[{names.index(name)}] too); the "
+                              "registry and the rollout's records key tools by name, so each needs its own")
