@@ -164,6 +164,23 @@ def test_gradient_checkpointing_keeps_one_layer_of_activations():
     assert full - kept == pytest.approx((m.layers - 1) * per_layer - m.layers * tokens * 2 * m.hidden)
 
 
+def test_adamw_step_temporary_counts_only_beyond_what_backward_freed():
+    """torch's foreach AdamW holds one temporary of the trained fp32 shard during the step, after backward freed
+    the gathered params, unsharded grads, activations and head chunks (seen on an H200: the 7B cut to 8 layers
+    on one GPU peaked 2 GiB above the backward's total, at the step)."""
+    eight = build_plan(paper_cfg("trainer.n_gpus_per_node=8"), 80 * GIB).gpu_tables[0]
+    assert not any(name.startswith("AdamW step") for name, _ in eight.rows)  # 1/8 shard < the freed transients
+    one = build_plan(paper_cfg("trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.tensor_model_parallel_size=1"),
+                     80 * GIB).gpu_tables[0]
+    rows = dict(one.rows)
+    step = rows["AdamW step temporary (one trained fp32 shard, beyond what backward freed)"]
+    update = one.phases.index("actor update")
+    freed = sum(v[update] for name, v in one.rows
+                if name.startswith(("FSDP2", "update activations", "log-prob head")))
+    assert step[update] == pytest.approx(rows["actor fp32 gradient shard"][update] - freed)
+    assert step[update] > 0 and sum(step) == step[update]
+
+
 def test_cpu_plan_blocks_only_a_clearly_oversized_run(tmp_path, monkeypatch):
     from transformers import Qwen2Config
 

@@ -140,6 +140,13 @@ def gathered_grad_bytes(m: ModelShapes, s: PlanSettings) -> float:
     return m.root_numel * b + m.layer_numel * (b + 4)
 
 
+def adamw_step_bytes(trained_shard_bytes: float, freed_bytes: float) -> float:
+    """torch's default (foreach) AdamW allocates one temporary the size of the trained fp32 shard during the step.
+    The step runs after backward has freed ``freed_bytes`` (gathered params, unsharded grads, activations, head
+    chunks), so it raises the update's peak only by what exceeds them (measured on an H200: docs/scaling)."""
+    return max(0.0, trained_shard_bytes - freed_bytes)
+
+
 def sync_bucket_bytes(m: ModelShapes, s: PlanSettings) -> float:
     """One weight-sync bucket: the configured size, or the largest parameter in the engine dtype when bigger."""
     return max(float(s.bucket_bytes), m.largest_param_numel * s.engine_bytes)
@@ -208,6 +215,17 @@ def training_gpu_table(m: ModelShapes, s: PlanSettings, gpu_bytes: float, with_e
     t.add(f"log-prob head ({s.logprob_chunk} x {m.vocab} fp32 chunks)",
           {p: head_chunk_bytes(m, s, HEAD_BUFFERS_TRAIN if p == "actor update" else HEAD_BUFFERS_FORWARD)
            for p in ("old log-probs", "ref log-probs", "actor update") if p in phases})
+    head_train = head_chunk_bytes(m, s, HEAD_BUFFERS_TRAIN)
+    step = {"actor update": adamw_step_bytes(
+        4 * (math.ceil(m.lora_numel(s.lora_rank, s.lora_targets) / ws) if s.lora_rank else shard),
+        gathered + gathered_grad_bytes(m, s) + head_train
+        + training_activation_bytes(m, s, micro_tokens(s, s.micro_batch), s.gradient_checkpointing))}
+    if s.critic:
+        critic_acts = training_activation_bytes(m, s, micro_tokens(s, s.critic_micro_batch),
+                                                s.critic_gradient_checkpointing)
+        step["critic update"] = adamw_step_bytes(4 * critic_shard, gathered + gathered_grad_bytes(m, s) + critic_acts)
+    if any(step.values()):
+        t.add("AdamW step temporary (one trained fp32 shard, beyond what backward freed)", step)
     if with_engine or not s.hybrid:  # rank 0 gathers and sends the buckets whether or not a replica shares its GPU
         t.add("weight sync: 2 buckets + 1 whole fp32 parameter",
               {"weight sync": 2 * sync_bucket_bytes(m, s) + m.largest_param_numel * 4})
@@ -243,9 +261,10 @@ def host_rows(m: ModelShapes, s: PlanSettings) -> list[tuple[str, float]]:
     else:  # on a CPU every rank's state, activations and the engine live in host RAM
         shard = m.shard_numel(s.world_size)
         trained = math.ceil(m.lora_numel(s.lora_rank, s.lora_targets) / s.world_size) if s.lora_rank else shard
-        per_rank = (4 * shard + 12 * trained + gathered_param_bytes(m, s) + gathered_grad_bytes(m, s)
-                    + training_activation_bytes(m, s, micro_tokens(s, s.micro_batch), s.gradient_checkpointing)
-                    + head_chunk_bytes(m, s, HEAD_BUFFERS_TRAIN))
+        transient = (gathered_param_bytes(m, s) + gathered_grad_bytes(m, s)
+                     + head_chunk_bytes(m, s, HEAD_BUFFERS_TRAIN)
+                     + training_activation_bytes(m, s, micro_tokens(s, s.micro_batch), s.gradient_checkpointing))
+        per_rank = 4 * shard + 12 * trained + transient + adamw_step_bytes(4 * trained, transient)
         rows.append((f"{s.gpus_per_node} actor rank(s): shards, gradients, activations", s.gpus_per_node * per_rank))
         if s.reference:
             rows.append((f"{s.gpus_per_node} reference rank(s)", s.gpus_per_node * 4 * shard))

@@ -81,7 +81,7 @@ def global_batch_info(worker: "ActorWorker", loss_mask: torch.Tensor, real_rows:
             "loss_scale_factor": None if loss_scale_factor is None else float(loss_scale_factor)}
 
 
-def ppo_update(worker: "ActorWorker", batch: DataBatch) -> dict[str, float]:
+def ppo_update(worker: "ActorWorker", batch: DataBatch, keep_gradients: bool = False) -> dict[str, float]:
     """The body of :meth:`ActorWorker.update_policy` (see there for the batch contract)."""
     p = worker.cfg.policy
     mini_rows = int(batch.meta.get("mini_batch_rows_per_rank", max(1, worker.cfg.mini_batch_rows // worker.world_size)))
@@ -201,6 +201,10 @@ def ppo_update(worker: "ActorWorker", batch: DataBatch) -> dict[str, float]:
                 maxima = [max(a, b) for a, b in zip(maxima, worker.all_reduce_max(local_max).tolist())]
             sums["actor/grad_norm"] += float(grad_norm)
             n_updates += 1
+    if not keep_gradients:
+        # The last mini-batch's gradients would otherwise stay allocated (a full fp32 shard) through the next
+        # generation, log-prob pass and weight sync, where the memory plan counts none.
+        worker.optimizer.zero_grad(set_to_none=True)
     worker.lr_scheduler.step()
     metrics = {k: v / max(1, n_updates) for k, v in sums.items()}
     metrics["actor/lr"] = lr

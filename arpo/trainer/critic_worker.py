@@ -169,6 +169,7 @@ class CriticWorker(ActorWorker):
                 sums["critic/vpred_mean"] += float(tot[2]) / per_tok
                 sums["critic/grad_norm"] += float(grad_norm)
                 n_updates += 1
+        self.optimizer.zero_grad(set_to_none=True)  # free the gradient shard until the next update
         self.lr_scheduler.step()
         metrics = {k: v / max(1, n_updates) for k, v in sums.items()}
         metrics["critic/lr"] = lr

@@ -347,7 +347,7 @@ class ActorWorker:
             self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
 
-    def update_policy(self, batch: DataBatch) -> dict[str, float]:
+    def update_policy(self, batch: DataBatch, keep_gradients: bool = False) -> dict[str, float]:
         """PPO epochs over mini-batches over micro-batches; one optimizer step per mini-batch, one scheduler
         step per call. Needs ``responses``, ``input_ids``, ``attention_mask``, ``position_ids``,
         ``response_mask``, ``advantages``, ``old_log_probs`` unless the update is on-policy (one mini-batch,
@@ -359,11 +359,12 @@ class ActorWorker:
         Rows with ``is_pad`` = 1 (padding added to split a short mini-batch evenly) carry no loss.
         Returns verl's metrics, averaged over mini-batches and epochs, equal on every rank; ``actor/entropy``
         is among them when ``entropy_coeff`` != 0 or the batch had no ``old_log_probs``.
+        The gradients are freed at the end unless ``keep_gradients`` (for :meth:`full_gradients`).
         """
         if self.role != "actor" or self.optimizer is None:
             raise RuntimeError("update_policy needs a worker with role='actor' and init_model() called")
         try:
-            return ppo_update(self, batch)
+            return ppo_update(self, batch, keep_gradients)
         finally:
             release_memory()
 
@@ -453,7 +454,8 @@ class ActorWorker:
         return {n: full_tensor(p.detach()).cpu() for n, p in self.model.named_parameters()}
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
-        """Gradients of the last mini-batch, unsharded, on CPU (collective; tests and debugging)."""
+        """Gradients of the last mini-batch, unsharded, on CPU, after ``update_policy(..., keep_gradients=True)``
+        (collective; tests and debugging)."""
         return {n: full_tensor(p.grad.detach()).cpu() for n, p in self.model.named_parameters()
                 if p.grad is not None}
 

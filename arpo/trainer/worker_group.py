@@ -205,9 +205,9 @@ class WorkerGroup:
             s.meta["mini_batch_rows_per_rank"] = per_rank
         return shares
 
-    def update_policy(self, batch: DataBatch) -> dict[str, float]:
+    def update_policy(self, batch: DataBatch, keep_gradients: bool = False) -> dict[str, float]:
         """One PPO update on ``batch`` (see :meth:`ActorWorker.update_policy`); returns verl's metrics."""
-        return self.execute_split("update_policy", self.update_shares(batch))[0]
+        return self.execute_split("update_policy", self.update_shares(batch), keep_gradients)[0]
 
     def compute_values(self, batch: DataBatch) -> dict[str, torch.Tensor]:
         """``{"values": (B, T)}`` of the critic in ``batch`` row order (:meth:`CriticWorker.compute_values`)."""

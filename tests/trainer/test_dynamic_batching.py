@@ -136,7 +136,7 @@ def test_dynamic_batching_gives_row_batchings_log_probs_loss_and_gradients(small
         if cfg is dyn_cfg:
             micros = worker.micro_batches(train.index(torch.arange(4)), 2, budget)
             assert sorted(len(m) for m in micros) != [2, 2]  # the budget really regroups the rows
-        metrics = worker.update_policy(train)
+        metrics = worker.update_policy(train, keep_gradients=True)
         results.append((old, metrics, worker.full_gradients(), worker.full_parameters()))
     (old_r, met_r, grads_r, params_r), (old_d, met_d, grads_d, params_d) = results
     assert torch.allclose(old_r["log_probs"], old_d["log_probs"], atol=1e-6)
@@ -176,7 +176,7 @@ def test_two_rank_dynamic_batching_update_equals_one_process(small_model, ray_cl
     try:
         old = group.compute_log_prob(batch)
         train = add_training_columns(batch, old["log_probs"], seed=2)
-        metrics = group.update_policy(train)
+        metrics = group.update_policy(train, keep_gradients=True)
         params, grads = group.full_parameters(), group.full_gradients()
     finally:
         group.shutdown()

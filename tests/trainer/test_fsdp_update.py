@@ -48,7 +48,7 @@ def test_two_rank_update_equals_one_process(small_model, ray_cluster, checkpoint
                                     dict(train.non_tensors), dict(train.meta))
             with pytest.raises(Exception, match="only an on-policy update"):  # on every rank, before any collective
                 group.update_policy(without_old)
-        metrics = group.update_policy(train)
+        metrics = group.update_policy(train, keep_gradients=True)
         params, grads = group.full_parameters(), group.full_gradients()
     finally:
         group.shutdown()
@@ -82,7 +82,7 @@ def test_tree_packed_update_on_two_ranks_equals_the_padded_one_process_update(sm
     try:
         old = group.compute_log_prob(batch)
         train = add_training_columns(batch, old["log_probs"], seed=6)
-        metrics = group.update_policy(train)
+        metrics = group.update_policy(train, keep_gradients=True)
         params, grads = group.full_parameters(), group.full_gradients()
     finally:
         group.shutdown()
@@ -114,7 +114,7 @@ def test_uneven_batch_is_padded_without_changing_the_update(small_model, ray_clu
         old = group.compute_log_prob(batch, calc_entropy=False)
         assert len(old["log_probs"]) == 7 and "entropy" not in old
         train = add_training_columns(batch, old["log_probs"], seed=4)
-        metrics = group.update_policy(train)
+        metrics = group.update_policy(train, keep_gradients=True)
         params, grads = group.full_parameters(), group.full_gradients()
     finally:
         group.shutdown()
@@ -165,7 +165,7 @@ def test_on_policy_update_without_old_log_probs_equals_update_with_them(small_mo
                 train.tensors["old_log_probs"] = old["log_probs"]
             else:
                 del train.tensors["old_log_probs"]
-            runs[name] = (group.update_policy(train), group.full_parameters(), group.full_gradients(), old)
+            runs[name] = (group.update_policy(train, keep_gradients=True), group.full_parameters(), group.full_gradients(), old)
         finally:
             group.shutdown()
     (m_two, p_two, g_two, old), (m_on, p_on, g_on, _) = runs["two_passes"], runs["on_policy"]
