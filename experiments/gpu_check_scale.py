@@ -8,7 +8,8 @@ step is ``experiments/bench_trainer.py`` (one rank, no Ray); the planner gets th
 ``trainer.n_gpus_per_node=1`` and the engine on a GPU of its own (``hybrid_engine=false``), so its training-GPU
 table is the bench's GPU. Prints one JSON object: the bench's phases, the planner's phases, and their ratios.
 
-    python experiments/gpu_check_scale.py --out gpu_check.json               # one H100: about 3-5 min
+    python experiments/gpu_check_scale.py --out gpu_check.json               # one H200: about 1 min
+    python experiments/gpu_check_scale.py --layers 28 --lora-rank 16 --out lora.json   # the whole 7B, LoRA
     python experiments/gpu_check_scale.py --device cpu --smoke --out x.json  # the same calls on small shapes
 """
 
@@ -50,7 +51,7 @@ def run_bench(model: Path, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, str(REPO / "experiments" / "bench_trainer.py"), "--model", str(model), "--random-init",
            "--no-ray", "--ranks", "1", "--settings", "multi", "--device", args.device, "--rows", str(args.rows),
            "--prompt-len", str(args.prompt_len), "--response-len", str(args.response_len), "--micro",
-           str(args.micro), "--steps", "1", "--warmup", "1"]
+           str(args.micro), "--steps", "1", "--warmup", "1"] + [f"--set={o}" for o in lora_overrides(args)]
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if done.returncode:
@@ -58,6 +59,13 @@ def run_bench(model: Path, args: argparse.Namespace) -> dict:
     out = json.loads(done.stdout)
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     return out
+
+
+def lora_overrides(args: argparse.Namespace) -> list[str]:
+    if not args.lora_rank:
+        return []
+    return [f"actor_rollout_ref.model.lora_rank={args.lora_rank}",
+            f"actor_rollout_ref.model.lora_alpha={2 * args.lora_rank}"]
 
 
 def planner_overrides(model: Path, args: argparse.Namespace) -> list[str]:
@@ -71,7 +79,7 @@ def planner_overrides(model: Path, args: argparse.Namespace) -> list[str]:
             f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={args.micro}",
             "actor_rollout_ref.model.dtype=bfloat16", "actor_rollout_ref.model.enable_gradient_checkpointing=true",
             "actor_rollout_ref.model.tree_packing=false", "actor_rollout_ref.actor.use_kl_loss=false",
-            "algorithm.use_kl_in_reward=false", "algorithm.adv_estimator=grpo"]
+            "algorithm.use_kl_in_reward=false", "algorithm.adv_estimator=grpo"] + lora_overrides(args)
 
 
 def run_planner(model: Path, args: argparse.Namespace, gpu_bytes: float) -> dict:
@@ -100,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--response-len", type=int, default=1536)
     p.add_argument("--micro", type=int, default=2, help="ppo_micro_batch_size_per_gpu and the log-prob micro-batch")
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (alpha 2 x rank) instead "
+                   "of full fine-tuning; with --layers 28 the whole 7B on one GPU")
     p.add_argument("--smoke", action="store_true", help="small widths (CPU check of the script itself)")
     args = p.parse_args(argv)
     if args.smoke:
@@ -120,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                                                     else None)}
                   for phase, column in PHASES.items()}
     report = {"check": "gpu_check_scale", "device": args.device, "device_name": bench.get("device_name"),
-              "torch": torch.__version__, "layers": args.layers, "rows": args.rows, "prompt_len": args.prompt_len,
+              "torch": torch.__version__, "layers": args.layers, "lora_rank": args.lora_rank, "rows": args.rows, "prompt_len": args.prompt_len,
               "response_len": args.response_len, "micro": args.micro, "smoke": args.smoke,
               "seconds": {k: setting.get(f"{k}_s") for k in ("old_log_prob", "update_policy", "weight_sync")},
               "start_s": setting.get("start_s"), "last_update": setting.get("last_update"),

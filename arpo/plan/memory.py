@@ -135,8 +135,12 @@ def gathered_param_bytes(m: ModelShapes, s: PlanSettings) -> float:
     return (m.root_numel + 2 * m.layer_numel) * b
 
 
-def gathered_grad_bytes(m: ModelShapes, s: PlanSettings) -> float:
+def gathered_grad_bytes(m: ModelShapes, s: PlanSettings, critic: bool = False) -> float:
+    """FSDP2's unsharded gradients during backward: the root unit's and one layer's (compute dtype, plus the fp32
+    reduce copy of the layer). With LoRA the actor's frozen base has none: one layer's adapters only."""
     b = s.compute_bytes if s.gpu else 4
+    if s.lora_rank and not critic:
+        return m.lora_numel(s.lora_rank, s.lora_targets) / m.layers * (b + 4)
     return m.root_numel * b + m.layer_numel * (b + 4)
 
 
@@ -199,8 +203,8 @@ def training_gpu_table(m: ModelShapes, s: PlanSettings, gpu_bytes: float, with_e
     gathered = gathered_param_bytes(m, s)
     t.add("FSDP2 gathered params (root + 2 layers)",
           {p: gathered for p in phases if p not in ("generation", "weight sync")})
-    t.add("FSDP2 unsharded grads (root + 1 layer)",
-          {p: gathered_grad_bytes(m, s) for p in ("critic update", "actor update")})
+    t.add("FSDP2 unsharded grads (" + ("actor: 1 layer's LoRA adapters" if s.lora_rank else "root + 1 layer") + ")",
+          {p: gathered_grad_bytes(m, s, critic=p == "critic update") for p in ("critic update", "actor update")})
     forward = {"old log-probs": micro_tokens(s, s.logprob_micro_batch),
                "ref log-probs": micro_tokens(s, s.ref_micro_batch)}
     if s.critic:
@@ -223,7 +227,8 @@ def training_gpu_table(m: ModelShapes, s: PlanSettings, gpu_bytes: float, with_e
     if s.critic:
         critic_acts = training_activation_bytes(m, s, micro_tokens(s, s.critic_micro_batch),
                                                 s.critic_gradient_checkpointing)
-        step["critic update"] = adamw_step_bytes(4 * critic_shard, gathered + gathered_grad_bytes(m, s) + critic_acts)
+        step["critic update"] = adamw_step_bytes(4 * critic_shard,
+                                                 gathered + gathered_grad_bytes(m, s, critic=True) + critic_acts)
     if any(step.values()):
         t.add("AdamW step temporary (one trained fp32 shard, beyond what backward freed)", step)
     if with_engine or not s.hybrid:  # rank 0 gathers and sends the buckets whether or not a replica shares its GPU
