@@ -3,7 +3,7 @@
 # GPU (experiments/gpu_check_scale.py: FSDP2 loading from rank 0, bucketed weight sync, the planner against measured
 # peaks). Results in OUT_DIR as JSON.
 #
-#   experiments/gpu_check.sh OUT_DIR          # one H100: about 5 min
+#   experiments/gpu_check.sh OUT_DIR          # one H200: about 75 s (docs/results/gpu-h200.md)
 #
 # omegaconf, hydra-core and concurrent-log-handler are pure-Python wheels; put them in .whl/ beforehand
 # (python -m pip wheel --no-deps -w .whl omegaconf hydra-core antlr4-python3-runtime==4.9.3 concurrent-log-handler)
