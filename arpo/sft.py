@@ -167,11 +167,12 @@ class DemonstrationStream:
     """Demonstrations as they are built (row order), longer than ``max_length`` dropped and counted; everything
     yielded is kept in ``examples`` so later epochs reuse it. Lets training start while the tools still run."""
 
-    def __init__(self, demos: Iterable[tuple[tuple[list[int], list[int]], str]], max_length: int):
+    def __init__(self, demos: Iterable[tuple[tuple[list[int], list[int]], str]], max_length: int,
+                 kinds: Sequence[str] = ("gold", "skip", "wrong_tool")):
         self._demos = demos
         self.max_length = max_length
         self.examples: list[tuple[list[int], list[int]]] = []
-        self.modes = {"gold": 0, "skip": 0, "wrong_tool": 0, "too_long": 0}
+        self.modes = {**{k: 0 for k in kinds}, "too_long": 0}
         self.done = False
         self.seconds = 0.0  # from the first pull to the last demonstration
 
@@ -382,6 +383,7 @@ def run_sft(cfg) -> Path:
 
     from arpo.chat_templates import configured_template, tokenizer_for
     from arpo.config import ConfigError, require_path
+    from arpo.data.sft_dataset import CallTargets, detect_format, iter_trajectory_examples, load_trajectories
     from arpo.seeding import seed_everything
     from tools.registry import load_tools
 
@@ -396,17 +398,27 @@ def run_sft(cfg) -> Path:
                               "build the tiny model with `python -m arpo.models.tiny` or point it at an HF checkpoint",
                               kind="model directory")
     train_file = require_path(s.train_file, "sft.train_file",
-                              "generate it with `python -m arpo.data.synthetic` or point it at a verl parquet file")
+                              "generate it with `python -m arpo.data.synthetic`, or give a trajectory file "
+                              "(messages / ShareGPT JSONL, JSON or parquet: docs/extending.md)")
+    data_format = detect_format(train_file, s.data_format)
+    trajectories = None
+    if data_format != "synthetic":  # recorded trajectories carry their tool results: no tool is started
+        trajectories = load_trajectories(train_file, data_format, CallTargets.from_tools(cfg.tools), s.max_samples)
     torch.set_num_threads(max(1, int(s.num_threads)))
     tokenizer = tokenizer_for(cfg)  # saved with the checkpoint below, so RL renders prompts with the same template
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
-    tools = load_tools(cfg.tools)
-    df = pd.read_parquet(train_file)
-    if s.max_samples and len(df) > s.max_samples:
-        df = df.iloc[: s.max_samples]
-    demos = iter_demonstrations(df, tokenizer, tools, s.seed, s.demo.skip_tool_prob, s.demo.wrong_tool_prob,
-                                s.tool_workers, s.demo.verbose_think)
-    stream = DemonstrationStream(demos, s.max_length)
+    if trajectories is None:
+        tools = load_tools(cfg.tools)
+        df = pd.read_parquet(train_file)
+        if s.max_samples and len(df) > s.max_samples:
+            df = df.iloc[: s.max_samples]
+        demos = iter_demonstrations(df, tokenizer, tools, s.seed, s.demo.skip_tool_prob, s.demo.wrong_tool_prob,
+                                    s.tool_workers, s.demo.verbose_think)
+        stream, n_rows = DemonstrationStream(demos, s.max_length), len(df)
+    else:
+        tools = {}
+        demos = iter_trajectory_examples(trajectories, tokenizer)
+        stream, n_rows = DemonstrationStream(demos, s.max_length, kinds=(data_format,)), len(trajectories)
     try:
         examples: list | DemonstrationStream = stream
         if not s.stream_demos:
@@ -416,7 +428,7 @@ def run_sft(cfg) -> Path:
         summary = train_sft(model, examples, epochs=s.epochs, batch_size=s.batch_size, lr=s.lr,
                             warmup_ratio=s.warmup_ratio, weight_decay=s.weight_decay, grad_clip=s.grad_clip,
                             seed=s.seed, max_minutes=s.max_minutes, pad_id=tokenizer.pad_token_id,
-                            max_steps=s.max_steps, share_prompt_prefix=s.share_prompt_prefix, num_examples=len(df),
+                            max_steps=s.max_steps, share_prompt_prefix=s.share_prompt_prefix, num_examples=n_rows,
                             dtype=s.dtype)
     finally:
         demos.close()
