@@ -29,25 +29,39 @@ def tag_pair(tag: str) -> tuple[str, str]:
     return f"<{tag}>", f"</{tag}>"
 
 
+#: How the model calls tools on the ARPO rollout (``actor_rollout_ref.rollout.arpo.tools.format``): ``tags``
+#: (``<search>q</search>`` -> `` <result>…</result>``) or ``hermes`` (``<tool_call>{json}</tool_call>`` -> the
+#: chat template's tool message, ``<tool_response>…</tool_response>`` in a user turn for Qwen).
+CALL_FORMATS = ("tags", "hermes")
+HERMES_CALL_OPEN, HERMES_CALL_CLOSE = "<tool_call>", "</tool_call>"
+TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+
+
 @dataclass(frozen=True)
 class MalformedCall:
-    """A close tag without its open tag: no call to run; the trajectory gets an error text as its result."""
+    """A call that cannot run (a close tag without its open tag; a hermes call with bad JSON, an unknown tool or
+    a missing argument): the trajectory gets an error text as its result, so the model sees its mistake."""
 
     tool: str
     open_tag: str
     close_tag: str
+    #: the error text when it is not the missing-open-tag one (hermes calls)
+    message: str | None = None
 
     def error_text(self) -> str:
+        if self.message is not None:
+            return self.message
         return (f"Error: malformed tool call: {self.close_tag} without a matching {self.open_tag}. "
                 f"Write {self.open_tag}...{self.close_tag}.")
 
 
 @dataclass(frozen=True)
 class ToolCall:
-    """A tool call found at the end of a generated segment (``tool``: the tool's name, not its tag)."""
+    """A tool call found at the end of a generated segment (``tool``: the tool's name, not its tag).
+    ``content``: a tag's text, or a hermes call's arguments (the executor calls ``call`` for a dict)."""
 
     tool: str
-    content: str
+    content: str | dict[str, Any]
 
 
 class ToolProtocol:
@@ -58,8 +72,11 @@ class ToolProtocol:
     sets it), else its ``name``; so ``search`` and ``python`` keep ``<search>`` and ``<python>``.
     """
 
-    def __init__(self, tags: Mapping[str, str]):
-        """``tags``: tool name -> tag name, in load order (``tools[i]`` in errors is the i-th tool)."""
+    def __init__(self, tags: Mapping[str, str], format: str = "tags"):
+        """``tags``: tool name -> tag name, in load order (``tools[i]`` in errors is the i-th tool); ``format``:
+        how the model writes calls (:data:`CALL_FORMATS`), so the format gate reads the run's calls."""
+        if format not in CALL_FORMATS:
+            raise ValueError(f"tool call format {format!r}: use one of {list(CALL_FORMATS)}")
         described = ", ".join(f"{name} <{tag}>" for name, tag in tags.items()) or "none"
         first: dict[str, int] = {}
         for i, (name, tag) in enumerate(tags.items()):
@@ -78,6 +95,11 @@ class ToolProtocol:
         self.tags: Mapping[str, str] = MappingProxyType(dict(tags))
         #: "name <tag>, ..." for error messages
         self.described = described
+        self.format = format
+
+    def with_format(self, format: str) -> "ToolProtocol":
+        """The same tools with calls written in ``format`` (``tags`` or ``hermes``)."""
+        return ToolProtocol(self.tags, format)
 
     @classmethod
     def from_tools(cls, tools: Mapping[str, Any] | Iterable[Any]) -> "ToolProtocol":
@@ -96,16 +118,17 @@ class ToolProtocol:
         return cls({name: getattr(tool, "tag", "") or name for name, tool in named})
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, ToolProtocol) and self.tags == other.tags
+        return isinstance(other, ToolProtocol) and self.tags == other.tags and self.format == other.format
 
     def __hash__(self) -> int:
-        return hash(tuple(self.tags.items()))
+        return hash((tuple(self.tags.items()), self.format))
 
     def __repr__(self) -> str:
-        return f"ToolProtocol({self.described})"
+        return f"ToolProtocol({self.described})" if self.format == "tags" else \
+            f"ToolProtocol({self.described}; format {self.format})"
 
     def __reduce__(self) -> tuple:
-        return ToolProtocol, (dict(self.tags),)  # pickles for reward worker processes
+        return ToolProtocol, (dict(self.tags), self.format)  # pickles for reward worker processes
 
     @property
     def names(self) -> list[str]:

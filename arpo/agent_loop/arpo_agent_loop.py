@@ -47,7 +47,8 @@ class ARPOAgentLoop(AgentLoopBase):
             **(rollout_overrides or {})})
         seed = call_seed if call_seed is not None else (sampling_params.seed if sampling_params.seed is not None
                                                         else cfg.seed)
-        prompt = self.ctx.templater.prompt_ids(messages, with_tools=False)
+        # hermes calls need the tools block (the function schemas) that tags do not
+        prompt = self.ctx.templater.prompt_ids(messages, with_tools=cfg.tools.format == "hermes")
         session = SessionEngine(self.ctx.server_manager, f"arpo-{uuid.uuid4().hex}")
         call = RolloutCall(session, self.ctx.tokenizer, self.ctx.tool_executor, cfg, [prompt], seed,
                            group_ids=[group])

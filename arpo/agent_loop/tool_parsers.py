@@ -12,11 +12,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from arpo.protocol import DEFAULT_PROTOCOL, ToolProtocol
+from arpo.protocol import DEFAULT_PROTOCOL, HERMES_CALL_CLOSE, HERMES_CALL_OPEN, ToolProtocol
 
-HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+HERMES_OPEN, HERMES_CLOSE = HERMES_CALL_OPEN, HERMES_CALL_CLOSE
 _HERMES_RE = re.compile(re.escape(HERMES_OPEN) + r"(.*?)" + re.escape(HERMES_CLOSE), re.S)
-_HERMES_HINT = 'write <tool_call>{"name": "<function name>", "arguments": {...}}</tool_call>'
+HERMES_HINT = 'write <tool_call>{"name": "<function name>", "arguments": {...}}</tool_call>'
 
 
 @dataclass
@@ -40,18 +40,19 @@ class HermesToolParser:
         self.tool_names = sorted(tool_names)
 
     def parse(self, text: str) -> list[ParsedCall]:
-        calls = [self._parse_one(body) for body in _HERMES_RE.findall(text)]
+        calls = [self.parse_one(body) for body in _HERMES_RE.findall(text)]
         if text.count(HERMES_OPEN) > text.count(HERMES_CLOSE):
-            calls.append(ParsedCall("", error=f"Error: a tool call was opened but never closed; {_HERMES_HINT}."))
+            calls.append(ParsedCall("", error=f"Error: a tool call was opened but never closed; {HERMES_HINT}."))
         return calls
 
-    def _parse_one(self, body: str) -> ParsedCall:
+    def parse_one(self, body: str) -> ParsedCall:
+        """One call's JSON body (the text between the tags); the ARPO rollout's hermes format parses here too."""
         try:
             obj = json.loads(body.strip())
         except json.JSONDecodeError as err:
-            return ParsedCall("", error=f"Error: the tool call is not valid JSON ({err.msg}); {_HERMES_HINT}.")
+            return ParsedCall("", error=f"Error: the tool call is not valid JSON ({err.msg}); {HERMES_HINT}.")
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return ParsedCall("", error=f"Error: the tool call has no string 'name'; {_HERMES_HINT}.")
+            return ParsedCall("", error=f"Error: the tool call has no string 'name'; {HERMES_HINT}.")
         name, args = obj["name"], obj.get("arguments", {})
         if isinstance(args, str):
             try:

@@ -10,9 +10,10 @@ Per prompt (a *group*, budget M = ``n``), one call of :meth:`ARPORollout.agenera
    ``schedule.mode: async`` (default) runs each trajectory as its own task — generate, tool, generate … — and a
    fork or fill starts the moment it exists; ``schedule.mode: rounds`` steps all active trajectories together
    (one round = one request each, then all tool calls), the released code's loop;
-3. parse the trailing tool call (:meth:`arpo.protocol.ToolProtocol.parse_trailing_call`), run all calls of the round
-   concurrently in the tool thread pool (:class:`~arpo.rollout.tool_executor.ToolExecutor`), and append
-   `` <result>\\n…\\n</result>`` as tokens with ``response_mask`` 0. Token in, token out: the result text is
+3. parse the trailing tool call (:mod:`arpo.rollout.call_format`: a tool's tag, or with ``tools.format: hermes`` a
+   ``<tool_call>`` JSON call), run all calls of the round concurrently in the tool thread pool
+   (:class:`~arpo.rollout.tool_executor.ToolExecutor`), and append `` <result>\\n…\\n</result>`` (hermes: the chat
+   template's tool message) as tokens with ``response_mask`` 0. Token in, token out: the result text is
    tokenised on its own and appended; the history is never re-tokenised;
 4. after each tool result, decide whether to fork: ΔH = H_now − H_initial (window entropies, see
    :mod:`arpo.rollout.branching`), one :func:`~arpo.rollout.branching.should_branch` per candidate fork
@@ -85,9 +86,10 @@ from typing import Any, Iterable, Mapping
 
 from arpo.batch import DataBatch, Trajectory, collate_trajectories
 from arpo.engine.base import GenerationEngine, SamplingParams
-from arpo.protocol import MalformedCall, ToolCall
+from arpo.protocol import MalformedCall, ToolCall, ToolProtocol
 from arpo.rollout.branch import Branch, Phase
 from arpo.rollout.branching import derive_seed
+from arpo.rollout.call_format import make_call_format
 from arpo.rollout.config import ARPORolloutConfig
 from arpo.rollout.rollout_metrics import RolloutMetrics, summarize
 from arpo.rollout.segments import SegmentRequester
@@ -131,13 +133,19 @@ class ARPORollout:
             retries=self.config.tools.retries, retry_on_empty=self.config.tools.retry_on_empty,
             max_result_chars=self.config.tools.max_result_chars,
         )
-        #: which tag calls which tool; built here so that a bad tag fails at start-up, not in the first rollout
-        self.protocol = self.executor.protocol
+        #: how the model calls the tools (tools.format); built here so that a bad tag, or hermes without a chat
+        #: template, fails at start-up, not in the first rollout
+        self.calls = make_call_format(self.config, self.executor, tokenizer)
         self._calls = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         #: the last call's tool-call rates by depth: the prior of the next call's fill prediction (they decide
         #: only when fills start, never what any trajectory contains)
         self.call_rate_prior: dict[int, float] = {}
+
+    @property
+    def protocol(self) -> ToolProtocol:
+        """The loaded tools in the run's call format: what the rewards' format gate reads."""
+        return self.executor.protocol.with_format(self.config.tools.format)
 
     # ---- public entry points ------------------------------------------------------------------------
     async def agenerate(
@@ -233,12 +241,12 @@ class RolloutCall:
         if len(group_ids) != len(prompts):
             raise ValueError(f"{len(group_ids)} group ids for {len(prompts)} prompts")
         self.m = RolloutMetrics()
-        protocol = executor.protocol
+        calls = make_call_format(cfg, executor, tokenizer)
         want_logprobs = cfg.mode == "arpo" or cfg.return_entropy or cfg.calculate_log_probs
         params = SamplingParams(
             temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
             repetition_penalty=cfg.sampling.repetition_penalty,
-            stop=tuple(protocol.stop_strings() + list(cfg.sampling.extra_stop)),
+            stop=tuple(calls.stop_strings() + list(cfg.sampling.extra_stop)),
             stop_token_ids=tuple(cfg.sampling.stop_token_ids),
             logprobs=cfg.entropy.topk_logprobs if want_logprobs else None,
         )
@@ -249,7 +257,7 @@ class RolloutCall:
             engines, tokenizer, params, seed=seed, nonce=uuid.uuid4().hex[:8],  # request ids only
             group_ids=group_ids, window=cfg.entropy.window, max_response_length=cfg.sampling.max_response_length,
             metrics=self.m)
-        self.tree = RolloutTree(cfg, tokenizer, prompts, seed, protocol, call_rate_prior or {}, self.m,
+        self.tree = RolloutTree(cfg, tokenizer, prompts, seed, calls, call_rate_prior or {}, self.m,
                                 self.segments.cut_at_stop, group_ids)
         #: set once the group's initial entropy is known (``entropy.initial_scope: group``)
         self.h0_settled = [asyncio.Event() for _ in prompts]

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from arpo.protocol import CALL_FORMATS
 from arpo.rollout.branch_slots import GRANTS
 from arpo.rollout.branching import INITIAL_ENTROPY_SCOPES, REDUCTIONS, RULES, TIMINGS
 
@@ -170,8 +171,12 @@ class ToolsConfig:
     retries: int = 3
     retry_on_empty: bool = True
     max_result_chars: int | None = None
+    format: str = "tags"
 
     def validate(self, need: _Checker) -> None:
+        need(self.format in CALL_FORMATS, "format", self.format,
+             f"use one of {CALL_FORMATS} (tags: <search>q</search>; hermes: <tool_call>{{json}}</tool_call>, which "
+             f"needs a tokenizer with a chat template)")
         need(_int(self.call_limit, 0), "call_limit", self.call_limit, "use an integer >= 0")
         need(_int(self.workers, 1), "workers", self.workers, "use an integer >= 1")
         need(_number(self.timeout_s) and self.timeout_s > 0, "timeout_s", self.timeout_s, "use a number > 0")

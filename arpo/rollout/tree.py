@@ -17,9 +17,10 @@ from typing import Any, Callable, Iterable
 
 from arpo.batch import Trajectory
 from arpo.engine.base import GenerationOutput, sampled_log_probs
-from arpo.protocol import MalformedCall, ToolCall, ToolProtocol, format_tool_result
+from arpo.protocol import MalformedCall, ToolCall
 from arpo.rollout.branch import Branch, Phase
 from arpo.rollout.branch_slots import CallRates, ForkLookahead, GroupSlots, canonical
+from arpo.rollout.call_format import HermesCalls, TagCalls
 from arpo.rollout.branching import GroupBudget, InitialEntropy, aepo_damping, should_branch, token_entropy
 from arpo.rollout.config import ARPORolloutConfig
 from arpo.rollout.policies import make_policy
@@ -31,7 +32,7 @@ class RolloutTree:
     """Every branch of one rollout call over a batch of prompt groups, and the transitions between phases."""
 
     def __init__(self, cfg: ARPORolloutConfig, tok: Any, prompts: list[list[int]], seed: int,
-                 protocol: ToolProtocol, call_rate_prior: dict[int, float], metrics: RolloutMetrics,
+                 calls: TagCalls | HermesCalls, call_rate_prior: dict[int, float], metrics: RolloutMetrics,
                  cut_at_stop: Callable[..., tuple], group_ids: list[int]):
         self.cfg, self.tok, self.prompts, self.seed = cfg, tok, prompts, seed
         #: each group's identity in the seeds of its decisions (its row in the batch), so a group rolled out
@@ -41,9 +42,10 @@ class RolloutTree:
         vocab_size = cfg.entropy.vocab_size or len(tok)
         self.log_v = math.log(vocab_size)
         self.lookahead = ForkLookahead(cfg, seed, cfg.n, cfg.tools.call_limit, vocab_size)
-        #: the loaded tools' tags: the stop strings the engine was given, and how a call is parsed
-        self.protocol = protocol
-        self.close_tags = {close: name for name, (_, close) in protocol.pairs().items()}
+        #: how the model calls tools (tools.format): the stop strings the engine was given, how a call is
+        #: parsed and how its result is written back
+        self.calls = calls
+        self.close_tags = calls.close_tags
         self.branches: list[Branch] = []
         self.by_group: list[list[Branch]] = [[] for _ in prompts]
         self.budgets = [GroupBudget(cfg.n) for _ in prompts]
@@ -162,10 +164,9 @@ class RolloutTree:
             elif room <= 0:
                 self._finish(b, "length")
             else:
-                call = self.protocol.parse_trailing_call(seg_text)
                 b.phase = Phase.TOOL
                 self.call_rates.record(b.group, b.n_calls + 1, made=True)
-                return call if call is not None else self.protocol.malformed(self.close_tags[close])
+                return self.calls.parse(seg_text, close)
         elif room <= 0:
             self._finish(b, "length")
         elif finish == "length" and out.token_ids:
@@ -193,7 +194,7 @@ class RolloutTree:
         h_before = self.policy.window_uncertainty(self, b.seg_logprobs) if b.seg_logprobs else None
         if h_before is not None:
             b.samples["entropy_before_tool"].append(h_before)
-        ids = self.tok.encode(format_tool_result(text), add_special_tokens=False)
+        ids = self.tok.encode(self.calls.result_text(text), add_special_tokens=False)
         room = cfg.sampling.max_response_length - len(b.response_ids)
         truncated = len(ids) >= room
         ids = ids[:room]

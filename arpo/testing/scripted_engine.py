@@ -8,12 +8,13 @@ real engine honours: ``max_tokens`` (finish ``length``), EOS and ``stop_token_id
 ``stop``; the stop string is kept in the output and named in ``stop_reason``), top-k logprobs per token (the
 sampled token included, mass below 1 like a real top-k), and a simulated block prefix cache that reports
 ``num_cached_tokens``. Logprobs are flat (high entropy) for the first tokens after a tool result and peaked
-elsewhere, the shape ARPO's paper measured on real models. It also records every request and the peak
+elsewhere (after a chat template's ``<tool_response>`` turn too), the shape ARPO's paper measured on real models. It also records every request and the peak
 number of requests in flight, so tests can check that callers batch their requests.
 
 A test that needs exact text instead gives ``replies``: the reply for each model turn of the conversation (the
 turn counts the assistant headers and tool results already in the prompt, so forks, retries and concurrent
-conversations stay deterministic; the last reply repeats), or a function of (prompt text, request id). The
+conversations stay deterministic; the last reply repeats; a turn already begun in the prompt goes on from where it
+stopped), or a function of (prompt text, request id). The
 reply is tokenized, EOS appended, and cut by stops and ``max_tokens`` exactly as the policy's text is.
 
 :class:`ToyTokenizer` is the small tokenizer it speaks by default (Hugging Face-like ``encode``/``decode``/
@@ -27,6 +28,7 @@ import asyncio
 import hashlib
 import math
 import random
+import re
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,6 +158,16 @@ def reply_turn(prompt_text: str) -> int:
     return prompt_text.count("<|im_start|>assistant") - 1 + prompt_text.count(RESULT_OPEN)
 
 
+#: a generation prompt right after a hermes tool result (``</tool_response>``, then chat-template markup)
+_AFTER_TOOL_RESPONSE = re.compile(r"</tool_response>(\s|<\|[a-z_]+\|>|user|assistant)*$")
+
+
+def _after_tool_result(context: str) -> bool:
+    """Whether the model is about to write the first tokens after a tool result (ARPO's ``<result>`` or a chat
+    template's ``<tool_response>`` turn): where the scripted logprobs are flat."""
+    return context.rstrip().endswith(RESULT_CLOSE) or _AFTER_TOOL_RESPONSE.search(context) is not None
+
+
 def _stable_seed(*parts) -> int:
     h = hashlib.blake2b(digest_size=8)
     for p in parts:
@@ -278,6 +290,11 @@ class ScriptedEngine:
             text = self.replies(context, request_id)
         else:
             text = self.replies[min(max(reply_turn(context), 0), len(self.replies) - 1)]
+            # a turn split over requests (an entropy probe, a length cut) goes on where the last one stopped
+            written = context[max(context.rfind("<|im_start|>assistant\n") + len("<|im_start|>assistant\n"),
+                                  context.rfind(RESULT_CLOSE) + len(RESULT_CLOSE), 0):]
+            if written and text.startswith(written):
+                text = text[len(written):]
         return self._encode(text) + [self.tokenizer.eos_token_id]
 
     def _plan(self, context: str, rng: random.Random) -> list[int]:
@@ -304,7 +321,7 @@ class ScriptedEngine:
         tok, pol = self.tokenizer, self.policy
         rng = self._rng(prompt_ids, params)
         context = tok.decode(prompt_ids, skip_special_tokens=False)
-        after_tool = context.rstrip().endswith(RESULT_CLOSE)
+        after_tool = _after_tool_result(context)
         planned = self._reply(context, request_id) if self.replies is not None else self._plan(context, rng)
         stop_ids = set(params.stop_token_ids)
         out_ids: list[int] = []
