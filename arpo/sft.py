@@ -14,7 +14,10 @@ boxed answer, where a tiny model sampling at T=1 is most likely to drift into a 
 The first epoch trains on the demonstrations as the tools produce them (``sft.stream_demos``), so the tool calls
 overlap training instead of preceding it.
 
-Run: ``python -m arpo.sft [sft.epochs=...] [actor_rollout_ref.model.path=...]``.
+The demonstrations are one source: ``sft.train_file`` may instead hold recorded trajectories (OpenAI ``messages`` or
+ShareGPT ``conversations``), which :mod:`arpo.data.sft_dataset` lays out the same way and this loop trains on alike.
+
+Run: ``python -m arpo.sft [sft.epochs=...] [sft.train_file=...] [actor_rollout_ref.model.path=...]``.
 """
 
 from __future__ import annotations
