@@ -9,7 +9,16 @@ A response is well formed when, reading its tags in order:
 - there is exactly one ``<answer>…</answer>``, outside any ``<think>``, with no other tag inside, and
   it holds a ``\\boxed{…}`` with balanced braces.
 
-Tool results are external text, so tags inside a ``<result>`` block are not read as the model's tags.
+With a protocol in the ``hermes`` format (``actor_rollout_ref.rollout.arpo.tools.format: hermes``) a tool call is
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (valid JSON, a string name, an object of arguments)
+followed by its ``<tool_response>…</tool_response>``, with only whitespace and chat-template markup (``<|im_end|>``,
+``<|im_start|>``, the role name ``user``, which remain when special tokens are skipped) between them; a
+``<tool_response>`` without a call before it is the model's own tool output. The ARPO tags ``<search>``… are then
+plain text. A call of a tool name that is not loaded is well formed (the rollout answered it with an error
+text) but counts for no tool.
+
+Tool results are external text, so tags inside a ``<result>`` (``<tool_response>``) block are not read as the
+model's tags.
 The text graded is the response only: a chat template that ends the *prompt* with ``<think>`` leaves the
 response starting inside a think block, which fails the gate here as in the official code.
 
@@ -34,21 +43,34 @@ exactly, all eight included, for runs that must match it.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable
 
-from arpo.protocol import DEFAULT_PROTOCOL, RESERVED_TAGS, RESULT_CLOSE, RESULT_OPEN, ToolProtocol, extract_answer, \
-    extract_boxed
+from arpo.protocol import DEFAULT_PROTOCOL, HERMES_CALL_CLOSE, HERMES_CALL_OPEN, RESERVED_TAGS, RESULT_CLOSE, \
+    RESULT_OPEN, TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN, ToolProtocol, extract_answer, extract_boxed
 
 #: Score for a badly formatted response (ARPO's).
 BAD_FORMAT_SCORE = -1.0
 
 
+#: what a chat template writes between a hermes call and its tool response (the turn change), special tokens
+#: kept or skipped
+_TURN_MARKUP = re.compile(r"(?:\s|<\|[A-Za-z_]+\|>|\b(?:user|tool|ipython)\b)*")
+
+
 @lru_cache(maxsize=16)
 def _patterns(protocol: ToolProtocol) -> tuple[re.Pattern, re.Pattern | None]:
     """Every tag the gate reads, and a tool call followed by its result (None without tools)."""
+    if protocol.format == "hermes":
+        tag_re = re.compile(r"<(/?)(" + "|".join(map(re.escape, (*RESERVED_TAGS, "tool_call", "tool_response")))
+                            + r")>")
+        lenient = re.compile(re.escape(HERMES_CALL_OPEN) + r"(.*?)" + re.escape(HERMES_CALL_CLOSE)
+                             + _TURN_MARKUP.pattern + re.escape(TOOL_RESPONSE_OPEN) + r"(.*?)"
+                             + re.escape(TOOL_RESPONSE_CLOSE), re.S)
+        return tag_re, lenient
     tool_tags = list(protocol.tags.values())
     tag_re = re.compile(r"<(/?)(" + "|".join(map(re.escape, (*RESERVED_TAGS, *tool_tags))) + r")>")
     lenient = re.compile(
@@ -115,9 +137,17 @@ def check_format(text: str, protocol: ToolProtocol = DEFAULT_PROTOCOL) -> Format
                 if in_think:
                     return bad("<answer> inside an open <think>")
                 answer_start = m.end()
-        elif name == "result":
-            return bad("</result> without <result>" if closing
-                       else "<result> without a tool call before it (the model wrote its own tool output)")
+        elif name in ("result", "tool_response"):
+            return bad(f"</{name}> without <{name}>" if closing
+                       else f"<{name}> without a tool call before it (the model wrote its own tool output)")
+        elif name == "tool_call":
+            if closing:
+                return bad("</tool_call> without <tool_call>")
+            use = _hermes_use(text, m.end(), tag_re)
+            if isinstance(use, str):
+                return bad(use)
+            uses.append(use[0])
+            pos = use[1]
         else:
             if closing:
                 return bad(f"</{name}> without <{name}>")
@@ -153,11 +183,50 @@ def check_format(text: str, protocol: ToolProtocol = DEFAULT_PROTOCOL) -> Format
     return FormatCheck(True, "ok", boxed, tuple(uses))
 
 
+def _hermes_call(body: str) -> tuple[str, str] | None:
+    """(tool name, its arguments as JSON text, "" when none) of a hermes call's body; None when it is not a JSON
+    object with a string name and an object of arguments (the rollout's parser's rules)."""
+    try:
+        obj = json.loads(body)
+        args = obj.get("arguments", {}) if isinstance(obj, dict) else None
+        args = json.loads(args) if isinstance(args, str) else args
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    if not isinstance(obj.get("name") if isinstance(obj, dict) else None, str) or not isinstance(args, dict):
+        return None
+    return obj["name"], json.dumps(args) if args else ""
+
+
+def _hermes_use(text: str, start: int, tag_re: re.Pattern) -> tuple[ToolUse, int] | str:
+    """The hermes call whose body starts at ``start`` and its tool response, with where the response ends; or
+    the reason it is not well formed."""
+    end = text.find(HERMES_CALL_CLOSE, start)
+    if end < 0:
+        return "<tool_call> call is never closed"
+    body = text[start:end]
+    if tag_re.search(body):
+        return "tag inside a <tool_call> call"
+    call = _hermes_call(body)
+    if call is None:
+        return "<tool_call> is not a JSON object with a string name and object arguments"
+    after_call = _TURN_MARKUP.match(text, end + len(HERMES_CALL_CLOSE)).end()
+    if not text.startswith(TOOL_RESPONSE_OPEN, after_call):
+        return "<tool_call> call is not followed by its <tool_response>"
+    result_start = after_call + len(TOOL_RESPONSE_OPEN)
+    result_end = text.find(TOOL_RESPONSE_CLOSE, result_start)
+    if result_end < 0:
+        return "<tool_response> is never closed"
+    return ToolUse(call[0], call[1], text[result_start:result_end].strip()), result_end + len(TOOL_RESPONSE_CLOSE)
+
+
 def lenient_tool_uses(text: str, protocol: ToolProtocol = DEFAULT_PROTOCOL) -> tuple[ToolUse, ...]:
     """Tool calls immediately followed by a result, found without requiring the whole text to be valid."""
     lenient = _patterns(protocol)[1]
     if lenient is None:
         return ()
+    if protocol.format == "hermes":
+        return tuple(ToolUse(*call, m.group(2).strip()) for m in lenient.finditer(text)
+                     if (call := _hermes_call(m.group(1))) is not None)
     return tuple(ToolUse(protocol.tool_of_tag(m.group(1)), m.group(2).strip(), m.group(3).strip())
                  for m in lenient.finditer(text))
 
@@ -175,7 +244,7 @@ def count_real_tool_calls(uses: tuple[ToolUse, ...], extra_info: dict[str, Any] 
                 counts[name] += 1
         return counts
     for use in uses:
-        if use.query and use.result:
+        if use.query and use.result and use.tool in counts:  # a hermes call may name a tool that is not loaded
             counts[use.tool] += 1
     return counts
 

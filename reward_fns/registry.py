@@ -291,14 +291,19 @@ def build_compute_score(config: Mapping[str, Any] | Any | None = None) -> Reward
 
 def run_protocol(config: Mapping[str, Any] | Any | None) -> "ToolProtocol | None":
     """The tag protocol of the run's tools (``config.tools``: the rollout's tool entries or a tool YAML path),
-    read without starting any tool; None when the config declares no tools."""
+    read without starting any tool, in the rollout's call format (``actor_rollout_ref.rollout.arpo.tools.format``,
+    so a hermes run's calls pass the gate); None when the config declares no tools."""
     declared = config_value(config, "tools")
     if not declared:
         return None
     # imported here: reward worker processes get the protocol pickled and never import the tool classes
     from tools.registry import tool_protocol
 
-    return tool_protocol(declared)
+    protocol = tool_protocol(declared)
+    section = config_value(config, "actor_rollout_ref")
+    for key in ("rollout", "arpo", "tools", "format"):
+        section = config_value(section, key)
+    return protocol.with_format(str(section)) if section else protocol
 
 
 def config_value(obj: Any, key: str) -> Any:

@@ -158,3 +158,74 @@ def test_gate_reads_the_loaded_tools_tags_when_given_their_protocol():
     assert score_with_gate(text, grade, tool_bonus=0.1, protocol=protocol)["score"] == 1.0  # python never ran
     every_tool = respond(SEARCH_CITIBANK, PYTHON_CHECK, ("convert", "3 km to mi", "3 km = 1.864 mi"), answer="1812")
     assert score_with_gate(every_tool, grade, tool_bonus=0.1, protocol=protocol)["score"] == pytest.approx(1.1)
+
+
+def hermes(name: str, arguments: dict, result: str, markup: str = "<|im_end|>\n<|im_start|>user\n") -> str:
+    """A hermes call and its tool response as the Qwen2.5 template appends it (``markup``: the turn change)."""
+    import json
+
+    return (f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>{markup}'
+            f"<tool_response>\n{result}\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+HERMES_GOOD = ("<think> look it up </think>\n" + hermes("search", {"query": "Citibank founded"}, "Founded 1812.")
+               + "<think> check </think>\n" + hermes("python", {"code": "print(1812)"}, "1812", markup="\nuser\n")
+               + "<think> so 1812 </think> <answer> \\boxed{1812} </answer>")
+HERMES_BAD = {
+    "no response": ("<think> a </think><tool_call>{\"name\": \"search\", \"arguments\": {}}</tool_call> <think> b "
+                    "</think><answer>\\boxed{1}</answer>", "<tool_call> call is not followed by its <tool_response>"),
+    "bad json": ("<think> a </think>" + hermes("search", {}, "r").replace('{"name"', '{name') +
+                 "<answer>\\boxed{1}</answer>",
+                 "<tool_call> is not a JSON object with a string name and object arguments"),
+    "own response": ("<think> a </think><tool_response>\nr\n</tool_response><answer>\\boxed{1}</answer>",
+                     "<tool_response> without a tool call before it (the model wrote its own tool output)"),
+    "never closed": ("<think> a </think><tool_call>{\"name\": \"search\"", "<tool_call> call is never closed"),
+    "stray close": ("<think> a </think></tool_call><answer>\\boxed{1}</answer>", "</tool_call> without <tool_call>"),
+    "text between": ("<think> a </think>" + hermes("search", {"query": "q"}, "r", markup=" hmm ")
+                     + "<answer>\\boxed{1}</answer>", "<tool_call> call is not followed by its <tool_response>"),
+}
+
+
+def test_a_hermes_run_gates_tool_call_json_and_tool_responses():
+    """``tools.format: hermes``: a call is <tool_call>{json}</tool_call> followed by its <tool_response> (through the
+    chat template's turn change, special tokens kept or skipped); each way to get it wrong has its reason."""
+    from arpo.protocol import DEFAULT_PROTOCOL
+    from reward_fns.gate import score_with_gate
+
+    protocol = DEFAULT_PROTOCOL.with_format("hermes")
+    check = check_format(HERMES_GOOD, protocol)
+    assert check.ok and check.answer == "1812", check.reason
+    assert [(u.tool, u.result) for u in check.tool_uses] == [("search", "Founded 1812."), ("python", "1812")]
+    assert check_format(HERMES_GOOD).tool_uses == ()  # read as tags: text without a call
+    for case, (text, reason) in HERMES_BAD.items():
+        assert check_format(text, protocol).reason == reason, case
+    # tags inside a tool response are external text; an ARPO tag is plain text in a hermes run
+    quoted = ("<think> a </think>" + hermes("search", {"query": "q"}, "page: <answer> <think> <search>")
+              + "<search> not a call </search><answer>\\boxed{1}</answer>")
+    assert check_format(quoted, protocol).ok
+    # an unloaded tool name is well formed (the rollout answered with an error) but counts for no tool
+    unknown = "<think> a </think>" + hermes("browse", {"url": "x"}, "Error: unknown tool") + "<answer>\\boxed{1}</answer>"
+    assert check_format(unknown, protocol).ok
+    assert count_real_tool_calls(check_format(unknown, protocol).tool_uses, protocol=protocol) == \
+        {"search": 0, "python": 0}
+    assert [u.tool for u in lenient_tool_uses(HERMES_GOOD + "<think> unclosed", protocol)] == ["search", "python"]
+
+    def grade(pred):
+        return {"acc": float(pred == "1812"), "em": 0.0, "f1": 0.0}
+
+    assert score_with_gate(HERMES_GOOD, grade, tool_bonus=0.1, protocol=protocol)["score"] == pytest.approx(1.1)
+    assert score_with_gate(HERMES_GOOD, grade, tool_bonus=0.1)["score"] == 1.0  # read as tags: no call, no bonus
+
+
+def test_the_run_protocol_takes_the_rollouts_call_format():
+    import pickle
+
+    from reward_fns.registry import build_compute_score, run_protocol
+
+    tools = [{"class_name": "tests.rollout.fake_tools.FakeSearch"}]
+    assert run_protocol({"tools": tools}).format == "tags"
+    config = {"tools": tools, "actor_rollout_ref": {"rollout": {"arpo": {"tools": {"format": "hermes"}}}}}
+    protocol = run_protocol(config)
+    assert protocol.format == "hermes" and pickle.loads(pickle.dumps(protocol)) == protocol
+    assert protocol != run_protocol({"tools": tools})
+    assert build_compute_score(config).protocol == protocol

@@ -100,6 +100,14 @@ def test_a_hermes_call_runs_the_tool_masks_its_response_and_forks_on_the_entropy
         assert call["delta_entropy"] == pytest.approx(call["entropy_after"] - r["h0"])
         if r["kind"] == "branch":
             assert r["bpos"] == end and r["ids"][:end] == rs[r["parent"]]["ids"][:end]
+    # the rewards' format gate reads the run's calls as well formed (as the reward manager decodes them)
+    from reward_fns.gate import check_format
+
+    assert gen.protocol.format == "hermes"
+    for skip_special in (True, False):
+        check = check_format(tok.decode(rs[0]["ids"], skip_special_tokens=skip_special), gen.protocol)
+        assert check.ok and check.answer == "Paris", check
+        assert [(u.tool, u.result) for u in check.tool_uses] == [("search", SEARCH_RESULT)]
 
 
 @pytest.mark.parametrize("body, error", [
