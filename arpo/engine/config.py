@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from arpo.engine.lora_serving import resolve_lora_serving
+
 BACKENDS = ("vllm", "hf")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 DTYPES = ("auto", "fast", "float32", "bfloat16", "float16")
@@ -67,6 +69,9 @@ class EngineConfig:
     #: The trainer's rank 0 and each engine hold about two buckets at a time; a tensor bigger than this travels in a
     #: bucket of its own.
     update_weights_bucket_megabytes: int = 512
+    #: vLLM: serve LoRA adapters of up to this rank on the base weights (``load_adapter``); 0: no LoRA support.
+    #: :meth:`from_cfg` sets it from ``actor_rollout_ref.model.lora_rank`` when ``lora_serving`` is adapter.
+    lora_rank: int = 0
 
     def validate(self) -> "EngineConfig":
         pre = "actor_rollout_ref.rollout"
@@ -101,6 +106,8 @@ class EngineConfig:
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"{pre}.cpu_threads={self.cpu_threads}: must be >= 1 or null (every core)")
         _check_bucket_megabytes(self.update_weights_bucket_megabytes)
+        if self.lora_rank:
+            resolve_lora_serving(self.lora_rank, "adapter", self.name, self.sleep_level)
         if self.cpu_kvcache_space_gb is not None and self.cpu_kvcache_space_gb < 1:
             raise ValueError(f"{pre}.cpu_kvcache_space_gb={self.cpu_kvcache_space_gb}: must be >= 1 (GiB) or null")
         return self
@@ -131,10 +138,15 @@ class EngineConfig:
             raise ValueError("config has no actor_rollout_ref section: compose configs/rollout/engine.yaml "
                              "into the root config (or pass its keys to EngineConfig.from_mapping)") from None
         rollout = dict(arr.get("rollout") or {})
-        known = {f.name for f in fields(cls)} - {"model_path", "update_weights_bucket_megabytes"}
+        known = {f.name for f in fields(cls)} - {"model_path", "update_weights_bucket_megabytes", "lora_rank"}
         values = {k: v for k, v in rollout.items() if k in known}
         values["update_weights_bucket_megabytes"] = _bucket_megabytes(rollout)
-        path = (arr.get("model") or {}).get("path")
+        model = arr.get("model") or {}
+        rank = int(model.get("lora_rank") or 0)
+        serving = resolve_lora_serving(rank, rollout.get("lora_serving"), values.get("name", cls.name),
+                                       values.get("sleep_level", cls.sleep_level))
+        values["lora_rank"] = rank if serving == "adapter" else 0
+        path = model.get("path")
         values["model_path"] = "" if path in (None, "???") else str(path)
         return cls.from_mapping(values)
 

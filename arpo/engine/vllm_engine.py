@@ -40,6 +40,7 @@ import torch
 from arpo.engine.base import GenerationOutput, SamplingParams
 from arpo.engine.config import (EngineConfig, default_device, executor_backend, resolve_dtype,
                                resolve_enforce_eager)
+from arpo.engine.lora_serving import adapter_request, lora_engine_args
 from arpo.engine.vllm_cpu_patches import use_eager_logprob_rank
 from arpo.engine.vllm_env import configure_vllm_env
 from arpo.engine.weights import EngineWeights, WeightBucket, split_bucket, state_dict_buckets
@@ -86,6 +87,9 @@ class VLLMEngine:
         args = vllm_engine_args(cfg, self.device)
         dtype = args["dtype"]
         self._sleep_enabled = bool(args["enable_sleep_mode"])
+        #: the LoRA request every generate call carries (None: the weights alone), and how many adapters were loaded
+        self._lora_request: Any = None
+        self._adapters_loaded = 0
         if self.device == "cpu":
             # with VLLM_ENABLE_V1_MULTIPROCESSING=0 the sampler runs in this process (the worker extension
             # applies the same fix in a separate engine process)
@@ -160,7 +164,10 @@ class VLLMEngine:
         params = self._vllm_sampling_params(sampling_params, len(prompt_ids))
         start = time.perf_counter()
         final = None
-        async for out in self._llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, request_id):
+        # Every caller (the ARPO rollout, the agent loop, the weight-sync probe) reaches vLLM here, so the current
+        # adapter is attached here and nowhere else.
+        async for out in self._llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, request_id,
+                                            lora_request=self._lora_request):
             final = out
         if final is None:  # pragma: no cover - vLLM always yields the finished output
             raise RuntimeError(f"vLLM returned no output for request {request_id}")
@@ -198,6 +205,28 @@ class VLLMEngine:
         finally:
             await self._llm.resume_generation()
         logger.info("vLLM weights reloaded from %s in %.2f s", weights, time.perf_counter() - start)
+
+    async def load_adapter(self, path: str | None) -> int:
+        """Serve the peft adapter in directory ``path`` on the base weights for every later request (None: the
+        weights alone again), as a new LoRA request: see :mod:`arpo.engine.lora_serving` for why a new one per
+        version. The previous version is dropped from vLLM. Returns the new request's id (0 for None)."""
+        if not self.config.lora_rank:
+            raise RuntimeError("this vLLM engine was started without LoRA support: start it with lora_rank > 0 "
+                               "(actor_rollout_ref.rollout.lora_serving=adapter and model.lora_rank > 0)")
+        start = time.perf_counter()
+        previous = self._lora_request
+        request = None
+        if path is not None:
+            self._adapters_loaded += 1
+            request = adapter_request(path, self._adapters_loaded)
+            # loaded before any request names it, so a bad directory fails here, not inside the engine's step
+            await self._llm.add_lora(request)
+        self._lora_request = request
+        if previous is not None:
+            await self._llm.remove_lora(previous.lora_int_id)
+        logger.info("vLLM serves %s (%.3f s)", f"LoRA adapter {path}" if path else "the base weights alone",
+                    time.perf_counter() - start)
+        return 0 if request is None else request.lora_int_id
 
     async def begin_weight_update(self) -> str:
         """Pause generation (requests in flight are kept) and start the workers' layerwise reload; returns the dtype
@@ -299,6 +328,8 @@ def vllm_engine_args(cfg: EngineConfig, device: str) -> dict[str, Any]:
         args["max_num_batched_tokens"] = cfg.max_num_batched_tokens
     if cfg.block_size is not None:
         args["block_size"] = cfg.block_size
+    if cfg.lora_rank:
+        args.update(lora_engine_args(cfg.lora_rank))
     if device == "cpu":
         # Small blocks so branches and continuations hit the prefix cache (see EngineConfig.block_size).
         args.setdefault("block_size", CPU_BLOCK_SIZE)

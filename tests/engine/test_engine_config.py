@@ -19,8 +19,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_yaml_documents_every_field_and_loads(tmp_path):
     yaml = OmegaConf.load(REPO / "configs" / "rollout" / "engine.yaml")
-    rollout_keys = set(yaml.actor_rollout_ref.rollout) - {"checkpoint_engine"}
-    fields = set(EngineConfig.__dataclass_fields__) - {"model_path", "update_weights_bucket_megabytes"}
+    # lora_serving is read into lora_rank (from actor_rollout_ref.model.lora_rank)
+    rollout_keys = set(yaml.actor_rollout_ref.rollout) - {"checkpoint_engine", "lora_serving"}
+    fields = set(EngineConfig.__dataclass_fields__) - {"model_path", "update_weights_bucket_megabytes", "lora_rank"}
     assert rollout_keys == fields
     assert set(yaml.actor_rollout_ref.rollout.checkpoint_engine) == {"update_weights_bucket_megabytes"}
     yaml.actor_rollout_ref.model = {"path": str(tmp_path)}
@@ -58,6 +59,26 @@ def test_weight_sync_bucket_key_is_read_from_verls_section_and_checked(tmp_path)
     root["actor_rollout_ref"]["rollout"]["checkpoint_engine"] = {"update_weights_bucket_mb": 64}
     with pytest.raises(ValueError, match="checkpoint_engine: unknown key"):
         EngineConfig.from_cfg(root)
+
+
+@pytest.mark.parametrize("rank,serving,name,sleep_level,engine_rank,error", [
+    (0, None, "vllm", 1, 0, None), (0, "adapter", "vllm", 1, 0, None),  # no LoRA: nothing to serve
+    (8, None, "vllm", 1, 8, None), (8, "adapter", "vllm", 1, 8, None), (8, "merged", "vllm", 1, 0, None),
+    (8, None, "hf", 1, 0, None),  # the hf backend loads merged weights only
+    (8, "adapter", "hf", 1, 0, "lora_serving=adapter needs actor_rollout_ref.rollout.name=vllm"),
+    (8, "adapter", "vllm", 2, 0, "sleep_level 2 discards them"),
+    (1024, None, "vllm", 1, 0, "vLLM serves adapters up to rank 512"),
+    (8, "separate", "vllm", 1, 0, "lora_serving='separate': choose adapter"),
+])
+def test_lora_serving_resolves_to_the_engines_lora_rank(tmp_path, rank, serving, name, sleep_level, engine_rank,
+                                                        error):
+    cfg = {"actor_rollout_ref": {"model": {"path": str(tmp_path), "lora_rank": rank},
+                                 "rollout": {"name": name, "lora_serving": serving, "sleep_level": sleep_level}}}
+    if error:
+        with pytest.raises(ValueError, match=error):
+            EngineConfig.from_cfg(cfg)
+    else:
+        assert EngineConfig.from_cfg(cfg).lora_rank == engine_rank
 
 
 def test_missing_model_path_and_unknown_keys(tmp_path):
