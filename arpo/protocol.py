@@ -4,7 +4,9 @@ The model thinks in ``<think>…</think>``, calls tools with their tags (``<sear
 ``<python>code</python>``, or any tag a loaded tool declares: :class:`ToolProtocol`), receives tool output
 appended by the rollout as `` <result>\\n…\\n</result>`` (masked out of the loss), and ends with
 ``<answer>… \\boxed{…} </answer>``. The rollout, the SFT demonstrations, the rewards and the evaluation all
-import from here so the protocol cannot drift.
+import from here so the protocol cannot drift. With ``tools.format: hermes`` (:data:`CALL_FORMATS`) the calls are
+Qwen's ``<tool_call>`` JSON and the results the chat template's ``<tool_response>`` turn instead
+(:mod:`arpo.rollout.call_format`).
 """
 
 from __future__ import annotations
