@@ -172,3 +172,27 @@ def test_the_agent_loop_records_the_batch_rollouts_log_probs(tokenizer):
     assert tree(got) == tree(expected)
     assert torch.equal(got["rollout_log_probs"], expected["rollout_log_probs"])
     assert (got["rollout_log_probs"][got["response_mask"].bool()] < 0).all()
+
+
+def test_hermes_calls_give_the_batch_rollouts_group_with_the_tools_in_the_prompt(tokenizer):
+    """``tools.format: hermes`` in the agent loop: the prompt carries the tools block (the schemas the model calls
+    by name), and the group is the batch rollout's over the same prompt, forks after the tool response included."""
+    from arpo.agent_loop.templating import ChatTemplater
+    from tests.rollout.test_hermes_rollout import CALL, FINAL
+
+    cfg = {"n": 4, "initial_rollouts": 2, "tools.format": "hermes", "branching.timing": "paper",
+           "branching.rule": "paper", "entropy.window": 4, "sampling.max_response_length": 200, "return_entropy": True}
+    tools = [FakeSearch(), FakePython()]
+    templater = ChatTemplater(tokenizer, [t.tool_schema for t in tools], {})
+    prompts = [templater.prompt_ids(m, with_tools=True) for m in messages(2)]
+    gen = ARPORollout(ScriptedEngine(tokenizer, replies=[CALL, FINAL]), tokenizer, cfg, tools=tools)
+    try:
+        expected = gen.generate(prompts, seed=SEED)
+    finally:
+        gen.close()
+    got = agent_loop_batch(tokenizer, [ShuffledEngine(tokenizer, 7, replies=[CALL, FINAL])], cfg, n_prompts=2)
+    assert tree(got) == tree(expected)
+    assert '"name": "search"' in tokenizer.decode(got["prompts"][0].tolist())  # the tools block
+    rs = rows(got)
+    assert any(r["kind"] == "branch" for r in rs)
+    assert all([(c["tool"], c["error"]) for c in r["calls"]] == [("search", False)] for r in rs)
