@@ -122,9 +122,11 @@ GLOSSARY: tuple[MetricEntry, ...] = (
     MetricEntry("rollout/tool_calls/in_trajectory_mean", _ROLLOUT, "tool calls per trajectory as the batch holds "
                 "them"),
     MetricEntry("rollout/tool_calls/errors", _ROLLOUT, "tool calls that returned an error"),
-    MetricEntry("rollout/tool_calls/malformed", _ROLLOUT, "calls the model wrote that could not be parsed"),
+    MetricEntry("rollout/tool_calls/malformed", _ROLLOUT, "calls the model wrote that could not be parsed (hermes: "
+                "also bad JSON, an unknown tool, a missing argument)"),
     MetricEntry("rollout/tool_calls/hit_limit", _ROLLOUT, "calls refused at `tools.call_limit`"),
-    MetricEntry("rollout/tool_calls/*", _ROLLOUT, "tool calls executed per tool (`search`, `python`, …)"),
+    MetricEntry("rollout/tool_calls/*", _ROLLOUT, "tool calls executed per tool (`search`, `python`, …; "
+                "`invalid_call`: hermes calls naming no loaded tool)"),
     MetricEntry("rollout/tool_calls_per_traj", _ROLLOUT, "tool calls executed per trajectory"),
     MetricEntry("rollout/finish/*", _ROLLOUT, "trajectories by how they ended: `stop` (EOS or answer), `length` "
                 "(the response cap), `tool_limit`"),

@@ -16,8 +16,9 @@ calling after its limits (ARPO's code bounds it only by the token budget).
 
 from __future__ import annotations
 
+import json
 from collections import Counter
-from typing import Mapping
+from typing import Any, Mapping
 
 from arpo.protocol import ToolProtocol
 from arpo.rollout.tool_executor import ToolExecutor, ToolResult
@@ -28,8 +29,8 @@ REFUSAL_REPEAT = "This exact search query was already sent for this question; se
 
 
 class TrajectoryToolLimits:
-    """The executor interface the rollout uses (``tool_names``, ``protocol``, ``arun_many``, ``close``), with
-    per-tool limits and repeated-query refusals for a single trajectory."""
+    """The executor interface the rollout uses (``tool_names``, ``tools``, ``protocol``, ``arun_many``, ``close``),
+    with per-tool limits and repeated-query refusals for a single trajectory."""
 
     def __init__(self, executor: ToolExecutor, limits: Mapping[str, int], refuse_repeated: tuple[str, ...] = ()):
         self.executor = executor
@@ -47,15 +48,25 @@ class TrajectoryToolLimits:
     def protocol(self) -> ToolProtocol:
         return self.executor.protocol
 
-    def _refusal(self, tool: str, content: str) -> str | None:
+    @property
+    def tools(self) -> dict[str, Any]:
+        """The wrapped executor's tools (a hermes rollout resolves function names through them)."""
+        return self.executor.tools
+
+    @staticmethod
+    def _query(content: str | dict[str, Any]) -> str:
+        """A call's query for the repeat check: a tag's text, or a hermes call's arguments in a fixed order."""
+        return content.strip() if isinstance(content, str) else json.dumps(content, sort_keys=True)
+
+    def _refusal(self, tool: str, content: str | dict[str, Any]) -> str | None:
         limit = self.limits.get(tool)
         if limit is not None and self.executed[tool] >= limit:
             return REFUSAL_LIMIT.format(tool=tool, limit=limit)
-        if tool in self.refuse_repeated and (tool, content.strip()) in self._seen:
+        if tool in self.refuse_repeated and (tool, self._query(content)) in self._seen:
             return REFUSAL_REPEAT
         return None
 
-    async def arun_many(self, calls: list[tuple[str, str]]) -> list[ToolResult]:
+    async def arun_many(self, calls: list[tuple[str, str | dict[str, Any]]]) -> list[ToolResult]:
         results: list[ToolResult | None] = [None] * len(calls)
         allowed: list[int] = []
         for i, (tool, content) in enumerate(calls):
@@ -65,7 +76,7 @@ class TrajectoryToolLimits:
                 results[i] = ToolResult(tool, refusal, ok=False, attempts=0, elapsed_s=0.0, error="refused")
             else:
                 self.executed[tool] += 1
-                self._seen.add((tool, content.strip()))
+                self._seen.add((tool, self._query(content)))
                 allowed.append(i)
         ran = await self.executor.arun_many([calls[i] for i in allowed])
         for i, result in zip(allowed, ran):

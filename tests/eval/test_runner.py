@@ -133,6 +133,20 @@ def test_repeated_search_query_is_refused_without_running():
     executor.close()
 
 
+def test_hermes_calls_pass_the_limits_by_their_arguments():
+    """With ``tools.format: hermes`` a call's content is its arguments: the repeat check reads them in a fixed order,
+    and the rollout resolves function names through the wrapped executor's tools."""
+    search = EchoSearch()
+    executor = ToolExecutor([search], retries=0)
+    limits = TrajectoryToolLimits(executor, {"search": 3}, refuse_repeated=("search",))
+    assert limits.tools is executor.tools
+    out = asyncio.run(limits.arun_many([("search", {"x": "capital of Zorvia"}), ("search", {"x": "capital of Zorvia"}),
+                                        ("search", {"x": "b"})]))
+    assert [r.ok for r in out] == [True, False, True] and out[1].text == REFUSAL_REPEAT
+    assert out[0].text == "Page 1: about capital of Zorvia" and search.calls == 2
+    executor.close()
+
+
 def test_a_failing_engine_stops_the_run_and_writes_nothing_partial(tmp_path):
     class Broken(ScriptedEngine):
         async def generate(self, prompt_ids, sampling_params, request_id):
