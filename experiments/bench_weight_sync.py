@@ -13,7 +13,12 @@ its vLLM engine core alone (which holds a message and the layers waiting for wei
 a little on every rank, and a probe after it shows the engine took them.
 
 The push is the trainer's: streamed buckets of
-``actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes`` (``--bucket-megabytes``).
+``actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes`` (``--bucket-megabytes``). With
+``--lora-rank R`` the actor trains LoRA adapters of rank R (every linear layer) and the push is what
+``actor_rollout_ref.rollout.lora_serving`` (``--lora-serving``) makes it: ``adapter``, the adapter directory saved by
+rank 0 and served by each vLLM engine on its base weights, or ``merged``, the merged weights in buckets:
+
+    python experiments/bench_weight_sync.py --model <dir> --ranks 1 --lora-rank 16 --lora-serving adapter
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ import asyncio
 import json
 import os
 import shlex
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -117,32 +124,43 @@ def _largest_tensor_bytes(model: str, dtype: str) -> int:
 
 
 def _scale_weights(worker: Any, factor: float) -> None:
+    """Every weight times ``factor``; with LoRA the adapters alone (the base is frozen), shifted, as B starts at 0."""
     import torch
 
+    from arpo.trainer.lora import has_lora, is_adapter
+
+    lora = has_lora(worker.model)
     with torch.no_grad():
-        for p in worker.model.parameters():
-            p.mul_(factor)
+        for name, p in worker.model.named_parameters():
+            if lora and is_adapter(name):
+                p.add_(factor - 1.0)
+            elif not lora:
+                p.mul_(factor)
 
 
 def _pid(actor: Any) -> int:
     return os.getpid()
 
 
-def _actor_config(model: str, ranks: int) -> dict:
+def _actor_config(model: str, ranks: int, lora_rank: int = 0) -> dict:
     return {"trainer": {"device": "cpu", "nnodes": 1, "n_gpus_per_node": ranks, "cpus_per_worker": 1},
             "data": {"train_batch_size": 2},
-            "actor_rollout_ref": {"model": {"path": model, "dtype": "auto"},
+            "actor_rollout_ref": {"model": {"path": model, "dtype": "auto", "lora_rank": lora_rank,
+                                            "lora_alpha": 2 * lora_rank or 16},
                                   "actor": {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_gpu": 1,
                                             "optim": {"lr": 1e-6}},
                                   "rollout": {"n": 1, "log_prob_micro_batch_size_per_gpu": 1}}}
 
 
-async def _push(group: Any, engines: list, bucket_bytes: int) -> dict[str, Any]:
-    """One push as the trainer makes it; what it sent."""
-    from arpo.trainer.weight_sync import stream_weights
+async def _push(group: Any, engines: list, bucket_bytes: int, adapter_dir: Path | None = None) -> dict[str, Any]:
+    """One push as the trainer makes it (``adapter_dir``: the adapter alone, saved there); what it sent."""
+    from arpo.trainer.weight_sync import stream_weights, sync_adapter
 
-    stats = await stream_weights(group, engines, bucket_bytes)
-    return {"path": "buckets", "bytes": stats["bytes"], "dtype": stats["dtype"], "buckets": stats["buckets"],
+    if adapter_dir is not None:
+        stats = await sync_adapter(group, engines, adapter_dir)
+    else:
+        stats = await stream_weights(group, engines, bucket_bytes)
+    return {"path": "adapter" if adapter_dir is not None else "buckets", "bytes": stats["bytes"], "dtype": stats["dtype"], "buckets": stats["buckets"],
             "largest_bucket_bytes": stats["largest_bucket_bytes"]}
 
 
@@ -156,12 +174,15 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     from arpo.trainer.worker_group import RayWorkerGroup
     from experiments import git_sha
 
+    lora_rank = getattr(args, "lora_rank", 0)
+    adapter = lora_rank > 0 and getattr(args, "lora_serving", "adapter") == "adapter"
+    adapter_root = Path(tempfile.mkdtemp(prefix="bench_lora_adapters_")) if adapter else None
     own_ray = not ray.is_initialized()
     init_ray({"ray_init": {"num_cpus": args.ranks + args.replicas + 1}})
     engines = create_engines(EngineConfig(model_path=args.model, name=args.engine, ray_actor=True, max_model_len=512,
-                                          num_replicas=args.replicas,
+                                          num_replicas=args.replicas, lora_rank=lora_rank if adapter else 0,
                                           update_weights_bucket_megabytes=args.bucket_megabytes))
-    group = RayWorkerGroup(_actor_config(args.model, args.ranks), role="actor")
+    group = RayWorkerGroup(_actor_config(args.model, args.ranks, lora_rank), role="actor")
     engine_pids = ray.get([e.handle.__ray_call__.remote(_pid) for e in engines])
     rank0_pid = ray.get(group.workers[0].__ray_call__.remote(_pid))
     core_pids = [_engine_core_pid(pid) for pid in engine_pids] if args.engine == "vllm" else []
@@ -181,7 +202,8 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             parts = [*engine_pids, *core_pids]
             parts_before = [_process_tree_kb(pid, "RssAnon", tree=False) for pid in parts]
             with PrivateMemorySampler(pids) as private, PrivateMemorySampler(parts, [False] * len(parts)) as alone:
-                sent = await _push(group, engines, args.bucket_megabytes * 1024 * 1024)
+                sent = await _push(group, engines, args.bucket_megabytes * 1024 * 1024,
+                                   adapter_root / f"step_{r + 1}" if adapter_root else None)
             alone_extra = [(p - b) * 1024 for p, b in zip(alone.peaks, parts_before)]
             seconds = time.perf_counter() - t0
             rss = [(_process_tree_kb(pid, "VmHWM") - b) * 1024 for pid, b in zip(pids, rss_before)]
@@ -201,19 +223,22 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             e.kill()
         if own_ray:
             ray.shutdown()
+        if adapter_root is not None:
+            shutil.rmtree(adapter_root, ignore_errors=True)
     last = runs[-1]
     result: dict[str, Any] = {
         "command": "python " + " ".join(shlex.quote(a) for a in [f"experiments/{Path(__file__).name}",
                                                                   *sys.argv[1:]]),
         "git_sha": git_sha(), "engine": args.engine, "model": Path(args.model).name, "actor_ranks": args.ranks,
-        "replicas": args.replicas, "repeats": args.repeats, "path": last["path"], "dtype": last["dtype"],
+        "replicas": args.replicas, "repeats": args.repeats, "lora_rank": lora_rank, "path": last["path"],
+        "dtype": last["dtype"],
         "bucket_megabytes": args.bucket_megabytes,
         "buckets": last["buckets"], "bytes_per_engine": last["bytes"],
         "largest_bucket_bytes": last["largest_bucket_bytes"],
         "bytes_moved": last["bytes"] * args.replicas,
-        "largest_tensor_bytes": _largest_tensor_bytes(args.model, last["dtype"]),
+        "largest_tensor_bytes": _largest_tensor_bytes(args.model, last["dtype"]) if not adapter else None,
         # what the object store holds at once: a bucket loading and the next being gathered
-        "object_store_bound_bytes": 2 * last["largest_bucket_bytes"],
+        "object_store_bound_bytes": 0 if adapter else 2 * last["largest_bucket_bytes"],  # an adapter: a file
         # every push changed the engine's outputs: it took the new weights each time
         "probes_all_differ": all(a != b for a, b in zip(probes, probes[1:])),
     }
@@ -234,6 +259,9 @@ def main() -> None:
     ap.add_argument("--bucket-megabytes", type=int, default=512,
                     help="actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--lora-rank", type=int, default=0, help="actor_rollout_ref.model.lora_rank (0: no LoRA)")
+    ap.add_argument("--lora-serving", choices=["adapter", "merged"], default="adapter",
+                    help="actor_rollout_ref.rollout.lora_serving, with --lora-rank")
     args = ap.parse_args()
     from arpo.logging_utils import json_stdout, setup_logging
 

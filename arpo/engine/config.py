@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from arpo.engine.lora_serving import resolve_lora_serving
+from arpo.engine.lora_serving import lora_serving_from_cfg, resolve_lora_serving
 
 BACKENDS = ("vllm", "hf")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
@@ -142,10 +142,7 @@ class EngineConfig:
         values = {k: v for k, v in rollout.items() if k in known}
         values["update_weights_bucket_megabytes"] = _bucket_megabytes(rollout)
         model = arr.get("model") or {}
-        rank = int(model.get("lora_rank") or 0)
-        serving = resolve_lora_serving(rank, rollout.get("lora_serving"), values.get("name", cls.name),
-                                       values.get("sleep_level", cls.sleep_level))
-        values["lora_rank"] = rank if serving == "adapter" else 0
+        values["lora_rank"] = int(model.get("lora_rank") or 0) if lora_serving_from_cfg(root) == "adapter" else 0
         path = model.get("path")
         values["model_path"] = "" if path in (None, "???") else str(path)
         return cls.from_mapping(values)

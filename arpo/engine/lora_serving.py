@@ -69,6 +69,14 @@ def resolve_lora_serving(lora_rank: int, serving: Any, backend: str, sleep_level
     return serving
 
 
+def lora_serving_from_cfg(cfg: Any) -> str | None:
+    """:func:`resolve_lora_serving` for a root config (``actor_rollout_ref.{model,rollout}``), DictConfig or dict."""
+    arr = cfg.get("actor_rollout_ref") or {}
+    rollout, model = arr.get("rollout") or {}, arr.get("model") or {}
+    return resolve_lora_serving(int(model.get("lora_rank") or 0), rollout.get("lora_serving"),
+                                rollout.get("name") or "vllm", int(rollout.get("sleep_level") or 1))
+
+
 def describe(serving: str | None) -> str:
     """One line for the trainer's start-up log: how LoRA weights reach the engine after each update."""
     if serving == "adapter":

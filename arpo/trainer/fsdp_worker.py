@@ -28,7 +28,8 @@ from arpo.trainer.actor_update import METRIC_KEYS, full_tensor, micro_batch_orde
 from arpo.trainer.device import cpu_has_native_bf16, device_settings_from_config
 from arpo.trainer.dynamic_batching import pack_by_tokens, row_tokens
 from arpo.trainer.logprobs import compute_logprobs_and_entropy
-from arpo.trainer.lora import MergedLinear, adapters_disabled, apply_lora, has_lora, lora_engine_tensors
+from arpo.trainer.lora import (MergedLinear, adapters_disabled, apply_lora, has_lora, lora_engine_tensors,
+                              save_worker_adapter)
 from arpo.trainer.memory import configure_allocator, memory_stats, release_memory
 from arpo.trainer.optim import build_optimizer
 from arpo.trainer.model_init import materialize_from_rank0, shard_model
@@ -441,6 +442,10 @@ class ActorWorker:
         """Drop the plan (it holds the parameters) and the cached memory of the gathers."""
         self._sync = None
         release_memory()
+
+    def save_lora_adapter(self, out_dir: str) -> str | None:
+        """The adapters alone, peft layout, for engines serving LoRA (:func:`save_worker_adapter`). Collective."""
+        return save_worker_adapter(self, out_dir)
 
     def export_hf(self, out_dir: str) -> str | None:
         """``save_pretrained`` of the full model (LoRA: merged; the adapter alone in ``lora_adapter/``) plus a copy

@@ -91,6 +91,19 @@ def save_adapter(tensors: dict[str, torch.Tensor], rank: int, alpha: float, targ
     return out
 
 
+def save_worker_adapter(worker: Any, out_dir: str | Path) -> str | None:
+    """The worker's adapters alone in peft's layout in ``out_dir``: what a vLLM engine serving LoRA loads after an
+    update (MBs, against the whole merged model). Collective: every rank gathers each FSDP2-sharded adapter whole,
+    one at a time; rank 0 writes and returns the path (None elsewhere)."""
+    from arpo.trainer.actor_update import full_tensor
+
+    adapters = {n: full_tensor(p.detach()).cpu() for n, p in worker.model.named_parameters() if is_adapter(n)}
+    if worker.rank != 0:
+        return None
+    m = worker.cfg.model
+    return str(save_adapter(adapters, m.lora_rank, m.lora_alpha, m.target_modules, str(m.path), out_dir))
+
+
 @contextlib.contextmanager
 def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
     """The base model: every LoRA layer bypasses its adapter inside the block (the reference policy's forward

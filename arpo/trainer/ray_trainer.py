@@ -19,6 +19,8 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from arpo.batch import DataBatch
+from arpo.engine.lora_serving import describe as describe_lora_serving
+from arpo.engine.lora_serving import lora_serving_from_cfg
 from arpo.trainer import core_algos
 from arpo.trainer.actor_config import needs_old_log_prob_pass, reference_policy, validation_sampling
 from arpo.trainer.dynamic_sampling import GroupCollector, filter_groups_config
@@ -77,6 +79,10 @@ class RayARPOTrainer:
         #: where the reference log-probs come from (actor_config.reference_policy); "actor": LoRA's frozen base
         ref = reference_policy(cfg)
         self.reference = ref if ref == "actor" or ref_wg is not None else None
+        #: how LoRA weights reach the engines after an update ("adapter" | "merged"; None without LoRA)
+        self.lora_serving = lora_serving_from_cfg(cfg)
+        if self.lora_serving is not None:
+            logger.info(describe_lora_serving(self.lora_serving))
         if self.reference is not None:
             logger.info("reference policy: %s", "the actor's base model (LoRA adapters disabled; no reference "
                         "worker group)" if self.reference == "actor" else "its own worker group")
@@ -236,13 +242,17 @@ class RayARPOTrainer:
 
         from arpo.engine.base import SamplingParams
         from arpo.engine.config import bucket_bytes_from_cfg
-        from arpo.trainer.weight_sync import stream_weights
+        from arpo.trainer.weight_sync import stream_weights, sync_adapter
 
         # Weights awake before the reload (sleep level 2 discarded them), the KV cache only after it: the push's
         # buckets and the cache never share the GPU (verl's order).
         if self.free_cache_engine:
             _run_all(e.wake_up(["weights"]) for e in self.engines)
-        sync = asyncio.run(stream_weights(self.actor_wg, self.engines, bucket_bytes_from_cfg(self.cfg)))
+        if self.lora_serving == "adapter":  # the base never changes: the adapter alone, MBs
+            out = Path(self.cfg.trainer.get("output_dir") or ".") / "lora_adapters" / f"step_{self.global_step}"
+            sync = asyncio.run(sync_adapter(self.actor_wg, self.engines, out))
+        else:
+            sync = asyncio.run(stream_weights(self.actor_wg, self.engines, bucket_bytes_from_cfg(self.cfg)))
         if self.free_cache_engine:
             _run_all(e.wake_up(["kv_cache"]) for e in self.engines)
         logger.info("weights pushed to %d engine(s): %d buckets, %.1f MB each engine, %s, %.2f s",

@@ -12,9 +12,14 @@ everywhere, whatever the model's size. The engines finish (and resume generation
 from __future__ import annotations
 
 import asyncio
+import shutil
 import sys
 import time
+from pathlib import Path
 from typing import Any, Sequence
+
+#: adapter versions kept on disk: the newest is being served; older ones only for requests still finishing on them
+KEEP_ADAPTERS = 3
 
 
 def _ray() -> Any:
@@ -66,3 +71,27 @@ async def _deliver(bucket: Any, engines: Sequence[Any]) -> None:
     ref = bucket if is_ref or not any(remote) else ray.put(bucket)
     value = (await bucket) if is_ref and not all(remote) else bucket  # an ObjectRef is awaitable
     await asyncio.gather(*(e.load_weight_bucket(ref if r else value) for e, r in zip(engines, remote)))
+
+
+async def sync_adapter(group: Any, engines: Sequence[Any], out_dir: str | Path,
+                       keep: int = KEEP_ADAPTERS) -> dict[str, float]:
+    """With ``lora_serving: adapter``: rank 0 of ``group`` saves the adapters alone (gathered whole) to ``out_dir``
+    (peft layout) and every engine of ``engines`` serves them from there on its base weights as a new LoRA request
+    (:meth:`arpo.engine.vllm_engine.VLLMEngine.load_adapter`); only the newest ``keep`` versions beside it stay on
+    disk. Engine actors read the directory themselves, so on several nodes it must be on a shared filesystem.
+    Returns what :func:`stream_weights` does (one "bucket": the adapter's files)."""
+    start = time.perf_counter()
+    path = Path(group.execute_all("save_lora_adapter", str(out_dir))[0])
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    await asyncio.gather(*(e.load_adapter(str(path)) for e in engines))
+    prune_adapters(path.parent, keep)
+    return {"buckets": 1, "bytes": size, "largest_bucket_bytes": size, "dtype": "adapter",
+            "seconds": time.perf_counter() - start}
+
+
+def prune_adapters(root: Path, keep: int) -> None:
+    """Remove all but the ``keep`` newest adapter directories (``step_N``, by N) under ``root``."""
+    steps = sorted((d for d in root.glob("step_*") if d.is_dir() and d.name[5:].isdigit()),
+                   key=lambda d: int(d.name[5:]))
+    for old in steps[:-max(keep, 1)]:
+        shutil.rmtree(old, ignore_errors=True)

@@ -176,3 +176,71 @@ def test_lora_reference_is_the_actors_base_model(small_model, synthetic_dir, one
     mask = batch["response_mask"]
     assert torch.allclose(ref * mask, lp * mask, atol=1e-5)
     assert not torch.allclose(adapted, ref, atol=1e-4)  # the adapters moved: the reference is not the policy
+
+
+class AdapterEngine:
+    """Records the adapter directories it is told to serve (and answers the weight-sync probe)."""
+
+    def __init__(self):
+        self.loaded: list[str] = []
+
+    async def load_adapter(self, path: str | None) -> int:
+        self.loaded.append(path)
+        return len(self.loaded)
+
+    async def generate(self, prompt_ids, sampling_params, request_id):
+        from arpo.engine.base import GenerationOutput
+
+        return GenerationOutput(token_ids=[1], text="", finish_reason="length", logprobs=[{1: -0.5, 2: -1.5}])
+
+
+def test_adapter_sync_saves_the_adapter_and_every_engine_serves_it(small_model, synthetic_dir, one_process_group,
+                                                                   caplog, tmp_path):
+    """lora_serving: adapter (the default on vLLM): each push saves the adapters alone (peft layout, the newest 3
+    versions kept) and every replica is told to serve them; they are the trained policy, and far smaller than the
+    merged weights the other path sends."""
+    import logging
+    from types import SimpleNamespace
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from arpo.config import load_config
+    from arpo.trainer.logprobs import compute_logprobs_and_entropy
+    from arpo.trainer.ray_trainer import RayARPOTrainer
+    from arpo.trainer.worker_group import LocalWorkerGroup
+
+    cfg = load_config("arpo_trainer", [
+        f"actor_rollout_ref.model.path={small_model}", f"synthetic.out_dir={synthetic_dir}", "trainer.device=cpu",
+        "trainer.n_gpus_per_node=1", "actor_rollout_ref.model.dtype=float32", "actor_rollout_ref.model.tree_packing=false",
+        "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8", f"trainer.output_dir={tmp_path}"])
+    batch = random_batch(8, seed=7)
+    engines = [AdapterEngine(), AdapterEngine()]
+    actor = LocalWorkerGroup(cfg, "actor")
+    try:
+        actor.update_policy(add_training_columns(batch, actor.compute_log_prob(batch)["log_probs"], seed=8))
+        with caplog.at_level(logging.INFO, logger="arpo.trainer.ray_trainer"):
+            trainer = RayARPOTrainer(cfg, None, SimpleNamespace(dataset=[{"raw_prompt_ids": [1, 2, 3]}]), None, None,
+                                     actor, None, engines, None, None, None)
+        assert "LoRA weights reach the engine as the adapter alone" in caplog.text
+        for step in range(1, 6):
+            trainer.global_step = step
+            assert "rollout/weight_sync_probe" in trainer.push_weights()
+        adapted = actor.compute_log_prob(batch)["log_probs"]
+        merged_bytes = sum(b for b in actor.plan_weight_sync("float32", 1 << 30))
+        actor.end_weight_sync()
+    finally:
+        actor.shutdown()
+    root = tmp_path / "lora_adapters"
+    assert sorted(d.name for d in root.iterdir()) == ["step_3", "step_4", "step_5"]
+    assert all(e.loaded == [str(root / f"step_{s}") for s in range(1, 6)] for e in engines)
+    size = sum(f.stat().st_size for f in (root / "step_5").iterdir())
+    assert size < merged_bytes / 4
+
+    served = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(small_model), dtype=torch.float32),
+                                       str(root / "step_5")).merge_and_unload()
+    with torch.no_grad():
+        lp, _ = compute_logprobs_and_entropy(served, batch["input_ids"], batch["attention_mask"],
+                                             batch["position_ids"], batch["responses"].shape[1], pack=False)
+    mask = batch["response_mask"]
+    assert torch.allclose(lp * mask, adapted * mask, atol=1e-5)
