@@ -112,6 +112,13 @@ def test_function_names_come_from_the_tools_schemas():
      "bad.jsonl[0].messages[1]: the trajectory ends on this call without its result"),
     ({"conversations": [{"from": "human", "value": "Q"}, {"from": "bot", "value": "A"}]},
      "bad.jsonl[0].conversations[1].from='bot' is not a ShareGPT role"),
+    ({"conversations": [{"from": "human", "value": "Q"}, {"from": "function_call", "value": "search(q)"}]},
+     "bad.jsonl[0].conversations[1].value: a function_call holds JSON"),
+    ({"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"},
+                   {"role": "user", "content": "and?"}, {"role": "assistant", "content": "B"}]},
+     "bad.jsonl[0].messages[2]: a user turn after the assistant began"),
+    ({"messages": [{"role": "user", "content": {"text": "Q"}}, {"role": "assistant", "content": "A"}]},
+     "bad.jsonl[0].messages[0].content: expected text"),
 ])
 def test_a_bad_row_is_one_clear_error(tmp_path, row, message):
     path = tmp_path / "bad.jsonl"
@@ -148,7 +155,7 @@ def test_sft_from_a_trajectory_file_lowers_the_loss(tmp_path, tiny_model_dir, tr
     assert summary["demos"] == {kind: 4, "too_long": 0}
     assert summary["steps"] == 16
     losses = summary["losses"]
-    assert sum(losses[-4:]) / 4 < 0.7 * sum(losses[:2]) / 2, losses
+    assert sum(losses[-4:]) / 4 < 0.75 * sum(losses[:2]) / 2, losses  # ~3.5 vs ~6.5 (log 610)
     assert (out / "model.safetensors").exists()
 
 
@@ -160,3 +167,20 @@ def test_rows_over_max_length_are_dropped_and_counted(tmp_path, tiny_model_dir, 
     cut = f"sft.max_length={max(lengths) - 1}"
     out = run_sft(_sft_cfg(tmp_path, tiny_model_dir, MESSAGES, cut, "sft.max_steps=1"))
     assert json.loads((out / "sft_summary.json").read_text())["demos"] == {"messages": 3, "too_long": 1}
+
+
+def test_a_parquet_file_of_messages_reads_as_the_jsonl(tmp_path):
+    import pandas as pd
+
+    rows = [r for i, r in enumerate(_rows(MESSAGES)) if i != 1]  # row 1's dict arguments: one type per parquet column
+    pd.DataFrame(rows).to_parquet(tmp_path / "messages.parquet")
+    assert detect_format(tmp_path / "messages.parquet") == "messages"
+    from_parquet = load_trajectories(tmp_path / "messages.parquet", "messages", TARGETS)
+    from_jsonl = load_trajectories(MESSAGES, "messages", TARGETS)
+    assert [(t.prompt, t.segments) for t in from_parquet] == [(t.prompt, t.segments) for i, t in enumerate(from_jsonl)
+                                                              if i != 1]
+
+
+def test_synthetic_format_needs_the_generators_parquet():
+    with pytest.raises(SFTDataError, match=r"sft.data_format=synthetic needs the parquet of `python -m arpo.data"):
+        detect_format(MESSAGES, "synthetic")

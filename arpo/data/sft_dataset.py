@@ -81,6 +81,7 @@ class CallTargets:
 
     def __init__(self, protocol: ToolProtocol, functions: Mapping[str, str], arguments: Mapping[str, str]):
         self.protocol = protocol
+        # a tool's own name wins over another tool's function name or tag: the registry looks names up first
         self._by_key = {**{tag: name for name, tag in protocol.tags.items()}, **dict(functions),
                         **{name: name for name in protocol.names}}
         self._argument = dict(arguments)
@@ -92,7 +93,10 @@ class CallTargets:
 
         from tools.registry import tool_protocol
 
-        protocol = tool_protocol(tools_cfg)
+        try:
+            protocol = tool_protocol(tools_cfg)
+        except ValueError as e:  # ToolConfigError: already names tools[i] and the fix
+            raise ConfigError(str(e)) from None
         entries = OmegaConf.to_container(tools_cfg, resolve=True) if isinstance(tools_cfg, (DictConfig, ListConfig)) \
             else tools_cfg
         entries = entries.get("tools", []) if isinstance(entries, Mapping) else list(entries)
@@ -123,6 +127,8 @@ class CallTargets:
             try:
                 parsed = json.loads(arguments)
             except json.JSONDecodeError:
+                parsed = None
+            if not isinstance(parsed, Mapping):
                 return arguments  # a bare query or program, as some exports write it
             arguments = parsed
         if not isinstance(arguments, Mapping):
@@ -133,7 +139,8 @@ class CallTargets:
         if len(arguments) == 1:
             return str(next(iter(arguments.values())))
         fix = f"give its argument {key!r}" if key else "give exactly one argument"
-        raise SFTDataError(f"{where}: arguments {sorted(arguments)} for tool {name!r}: a tag call holds one text; {fix}")
+        raise SFTDataError(f"{where}: arguments {sorted(arguments)} for tool {name!r}: a tag call holds one text; "
+                           f"{fix}")
 
 
 def _default_schema(entry: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -150,27 +157,37 @@ def _default_schema(entry: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def detect_format(path: str | Path, requested: str = "auto") -> str:
-    """The layout of a training file: ``requested`` unless ``auto``; then from its first row's fields."""
+    """The layout of a training file: ``requested`` unless ``auto``, then told from its first row's fields; a
+    synthetic file must be the generator's parquet (its rows' plans drive the tools)."""
     if requested not in FORMATS:
         raise SFTDataError(f"{KEY}={requested!r} is not valid; choose one of {', '.join(FORMATS)}")
+    path = Path(path)
+    first = next(iter(_rows(path, limit=1)), None)
+    if not isinstance(first, Mapping):
+        raise SFTDataError(f"sft.train_file={path}: no rows" if first is None else
+                           f"sft.train_file={path}: rows must be objects, the first is {type(first).__name__}")
+    extra = first.get("extra_info")
+    found = "synthetic" if isinstance(extra, Mapping) and "plan" in extra else \
+        "messages" if "messages" in first else "sharegpt" if "conversations" in first else None
+    if requested == "synthetic" and (found != "synthetic" or path.suffix != ".parquet"):
+        raise SFTDataError(f"sft.train_file={path}: {KEY}=synthetic needs the parquet of `python -m "
+                           f"arpo.data.synthetic` (extra_info.plan per row); set {KEY}=auto for a trajectory file")
     if requested != "auto":
         return requested
-    first = next(iter(_rows(Path(path), limit=1)), None)
-    if first is None:
-        raise SFTDataError(f"sft.train_file={path}: no rows")
-    extra = first.get("extra_info")
-    if isinstance(extra, Mapping) and "plan" in extra:
-        return "synthetic"
-    for fmt, field in (("messages", "messages"), ("sharegpt", "conversations")):
-        if field in first:
-            return fmt
-    raise SFTDataError(f"sft.train_file={path}: cannot tell its layout from the first row's fields "
-                       f"{sorted(first)[:8]}; give rows with 'messages' (OpenAI), 'conversations' (ShareGPT) or "
-                       f"extra_info.plan (python -m arpo.data.synthetic), or set {KEY}")
+    if found is None:
+        raise SFTDataError(f"sft.train_file={path}: cannot tell its layout from the first row's fields "
+                           f"{sorted(first)[:8]}; give rows with 'messages' (OpenAI), 'conversations' (ShareGPT) or "
+                           f"extra_info.plan (python -m arpo.data.synthetic), or set {KEY}")
+    if found == "synthetic" and path.suffix != ".parquet":
+        raise SFTDataError(f"sft.train_file={path}: synthetic rows are read from the generator's parquet; give "
+                           f"that file")
+    return found
 
 
 def _plain(value: Any) -> Any:
-    """Parquet cells as plain Python (numpy arrays of dicts become lists)."""
+    """Parquet cells as plain Python (numpy arrays of dicts become lists, a missing cell's NaN None)."""
+    if isinstance(value, float) and value != value:
+        return None
     if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
         value = value.tolist()
     if isinstance(value, Mapping):
@@ -220,7 +237,7 @@ def _text(content: Any, where: str) -> str:
         return content
     if isinstance(content, list) and all(isinstance(p, Mapping) and p.get("type") == "text" for p in content):
         return "".join(str(p.get("text", "")) for p in content)
-    raise SFTDataError(f"{where}.content: expected text (or a list of text parts), got {type(content).__name__}")
+    raise SFTDataError(f"{where}: expected text (or a list of text parts), got {type(content).__name__}")
 
 
 def _message_turns(messages: Any, where: str) -> list[_Turn]:
@@ -240,7 +257,7 @@ def _message_turns(messages: Any, where: str) -> list[_Turn]:
             calls.append((fn["name"], fn.get("arguments", {}), f"{at}.tool_calls[{j}].function"))
         if calls and role != "assistant":
             raise SFTDataError(f"{at}.tool_calls: only assistant messages call tools (role is {role!r})")
-        turns.append(_Turn(role, _text(m.get("content"), at), calls, at))
+        turns.append(_Turn(role, _text(m.get("content"), f"{at}.content"), calls, at))
     return turns
 
 
@@ -256,18 +273,20 @@ def _sharegpt_turns(row: Mapping[str, Any], where: str) -> list[_Turn]:
         sender = t.get("from") if isinstance(t, Mapping) else None
         if sender not in _SHAREGPT_ROLES:
             raise SFTDataError(f"{at}.from={sender!r} is not a ShareGPT role; use one of {', '.join(_SHAREGPT_ROLES)}")
-        value = _text(t.get("value"), at)
+        value = t.get("value")
         if sender != "function_call":
-            turns.append(_Turn(_SHAREGPT_ROLES[sender], value, [], at))
+            turns.append(_Turn(_SHAREGPT_ROLES[sender], _text(value, f"{at}.value"), [], at))
             continue
-        try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError:
-            parsed = None
+        parsed = value
+        if isinstance(value, str):  # LLaMA-Factory writes the call as a JSON string; some exports as an object
+            try:
+                parsed = json.loads(value)
+            except json.JSONDecodeError:
+                parsed = None
         parsed = parsed if isinstance(parsed, list) else [parsed]
         if not all(isinstance(c, Mapping) and "name" in c for c in parsed):
             raise SFTDataError(f"{at}.value: a function_call holds JSON {{\"name\": ..., \"arguments\": {{...}}}} "
-                               f"(or a list of them), got {value[:80]!r}")
+                               f"(or a list of them), got {str(value)[:80]!r}")
         turns.append(_Turn("assistant", "", [(c["name"], c.get("arguments", {}), f"{at}.value") for c in parsed], at))
     return turns
 
@@ -319,8 +338,8 @@ def build_trajectory(turns: Sequence[_Turn], kind: str, targets: CallTargets, wh
             for piece, text in _split_inline_results(t.text):  # ARPO's layout: results inline in the model's text
                 if piece == "result":
                     if not open_call:
-                        raise SFTDataError(f"{t.where}: a <result> block with no tool call before it; write the "
-                                           f"call's tags (<search> q </search>) before each result")
+                        raise SFTDataError(f"{t.where}: a <result> block with no tool call before it; write a "
+                                           f"loaded tool's tags before each result ({targets.protocol.described})")
                     _add_result(segments, text)
                     open_call = None
                 elif text.strip():
