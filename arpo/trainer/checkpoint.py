@@ -168,7 +168,8 @@ def export_worker_hf(worker: Any, out_dir: str | Path) -> str | None:
         state = worker.state_dict_for_engine()
         if state is None:
             return None
-        out = export_hf_model(state, worker.model.config, worker.cfg.model.path, out_dir)
+        out = export_hf_model(state, worker.model.config, worker.cfg.model.path, out_dir,
+                              worker.cfg.model.custom_chat_template)
         if adapters is not None:
             m = worker.cfg.model
             save_adapter(adapters, m.lora_rank, m.lora_alpha, m.target_modules, str(m.path), out / "lora_adapter")
@@ -179,10 +180,14 @@ def export_worker_hf(worker: Any, out_dir: str | Path) -> str | None:
 
 
 def export_hf_model(state: dict[str, torch.Tensor], config: Any, tokenizer_src: str | Path | None,
-                    out_dir: str | Path) -> Path:
+                    out_dir: str | Path, chat_template: Any = None) -> Path:
     """``save_pretrained`` of a full state dict under ``config`` plus the tokenizer and generation config
-    from ``tokenizer_src`` (the original model directory), so transformers and vLLM load ``out_dir``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from ``tokenizer_src`` (the original model directory), so transformers and vLLM load ``out_dir``. The
+    tokenizer carries ``chat_template`` (``actor_rollout_ref.model.custom_chat_template``) when one is set: the
+    export then prompts as training did."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from arpo.chat_templates import load_tokenizer
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -191,7 +196,7 @@ def export_hf_model(state: dict[str, torch.Tensor], config: Any, tokenizer_src: 
         skeleton = AutoModelForCausalLM.from_config(config)
     skeleton.save_pretrained(str(out), state_dict=state, safe_serialization=True)
     if tokenizer_src:
-        AutoTokenizer.from_pretrained(str(tokenizer_src)).save_pretrained(str(out))
+        load_tokenizer(tokenizer_src, chat_template).save_pretrained(str(out))
         try:
             GenerationConfig.from_pretrained(str(tokenizer_src)).save_pretrained(str(out))
         except OSError:

@@ -34,6 +34,7 @@ class ModelConfig:
     lora_rank: int = 0                          # 0: full fine-tuning; > 0: peft LoRA adapters only (lora.py)
     lora_alpha: float = 16
     target_modules: str | tuple[str, ...] = "all-linear"
+    custom_chat_template: str | None = None     # arpo.chat_templates: a name, a .jinja path or Jinja text
 
     def packs_trees(self, device_type: str) -> bool:
         return resolve_tree_packing(self.tree_packing, device_type)

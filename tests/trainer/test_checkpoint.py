@@ -114,6 +114,7 @@ def test_sigkill_during_saves_leaves_a_complete_latest_checkpoint(small_model, t
 def test_save_load_restores_training_state_exactly(small_model, synthetic_dir, ray_cluster, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from arpo.chat_templates import resolve_chat_template
     from arpo.data.rl_dataset import create_rl_dataloaders
     from arpo.trainer.checkpoint import load_checkpoint
     from arpo.trainer.worker_group import RayWorkerGroup
@@ -121,6 +122,7 @@ def test_save_load_restores_training_state_exactly(small_model, synthetic_dir, r
     cfg = base_config(small_model, world=2)
     cfg["actor_rollout_ref"]["actor"]["optim"].update(warmup_style="cosine", lr_warmup_steps=2, total_training_steps=5)
     cfg["actor_rollout_ref"]["actor"]["checkpoint"] = {"save_contents": ["model", "optimizer", "extra", "hf_model"]}
+    cfg["actor_rollout_ref"]["model"]["custom_chat_template"] = "llama3"  # the export must prompt as training did
     cfg["data"].update(train_files=[str(synthetic_dir / "train.parquet")], max_prompt_length=4096, seed=7)
     tokenizer = AutoTokenizer.from_pretrained(str(small_model))
     mgr = CheckpointManager(tmp_path / "ckpt")
@@ -169,5 +171,6 @@ def test_save_load_restores_training_state_exactly(small_model, synthetic_dir, r
     hf = AutoModelForCausalLM.from_pretrained(str(ckpt / "actor" / "huggingface"), dtype=torch.float32)
     hf_params = dict(hf.named_parameters())
     assert max(float((hf_params[k].detach() - v).abs().max()) for k, v in saved_params.items()) == 0.0
-    assert AutoTokenizer.from_pretrained(str(ckpt / "actor" / "huggingface")).encode("hello world") == \
-        tokenizer.encode("hello world")
+    exported = AutoTokenizer.from_pretrained(str(ckpt / "actor" / "huggingface"))
+    assert exported.encode("hello world") == tokenizer.encode("hello world")
+    assert exported.chat_template == resolve_chat_template("llama3") != tokenizer.chat_template
