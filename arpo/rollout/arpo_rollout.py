@@ -55,8 +55,8 @@ its parent's value, and nothing survives the call.
 
 Tool call limit. A call made when the trajectory has already run ``tools.call_limit`` calls is not executed:
 the rollout appends EOS (``response_mask`` 0, since the policy did not sample it) and finishes the
-trajectory with ``finish_reason`` ``tool_limit``. Malformed calls (a close tag without its open tag) get an
-error text result and count toward the limit.
+trajectory with ``finish_reason`` ``tool_limit``. Malformed calls (a close tag without its open tag; with
+hermes also bad JSON, an unknown tool or a missing argument) get an error text result and count toward the limit.
 
 Determinism. Engine requests carry seeds derived from (call seed, group, trajectory, request number), and
 each branching decision draws from its own generator seeded by (call seed, group, trajectory, call number),
@@ -135,7 +135,7 @@ class ARPORollout:
         )
         #: how the model calls the tools (tools.format); built here so that a bad tag, or hermes without a chat
         #: template, fails at start-up, not in the first rollout
-        self.calls = make_call_format(self.config, self.executor, tokenizer)
+        self.call_format = make_call_format(self.config, self.executor, tokenizer)
         self._calls = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         #: the last call's tool-call rates by depth: the prior of the next call's fill prediction (they decide
@@ -241,12 +241,12 @@ class RolloutCall:
         if len(group_ids) != len(prompts):
             raise ValueError(f"{len(group_ids)} group ids for {len(prompts)} prompts")
         self.m = RolloutMetrics()
-        calls = make_call_format(cfg, executor, tokenizer)
+        call_format = make_call_format(cfg, executor, tokenizer)
         want_logprobs = cfg.mode == "arpo" or cfg.return_entropy or cfg.calculate_log_probs
         params = SamplingParams(
             temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
             repetition_penalty=cfg.sampling.repetition_penalty,
-            stop=tuple(calls.stop_strings() + list(cfg.sampling.extra_stop)),
+            stop=tuple(call_format.stop_strings() + list(cfg.sampling.extra_stop)),
             stop_token_ids=tuple(cfg.sampling.stop_token_ids),
             logprobs=cfg.entropy.topk_logprobs if want_logprobs else None,
         )
@@ -257,7 +257,7 @@ class RolloutCall:
             engines, tokenizer, params, seed=seed, nonce=uuid.uuid4().hex[:8],  # request ids only
             group_ids=group_ids, window=cfg.entropy.window, max_response_length=cfg.sampling.max_response_length,
             metrics=self.m)
-        self.tree = RolloutTree(cfg, tokenizer, prompts, seed, calls, call_rate_prior or {}, self.m,
+        self.tree = RolloutTree(cfg, tokenizer, prompts, seed, call_format, call_rate_prior or {}, self.m,
                                 self.segments.cut_at_stop, group_ids)
         #: set once the group's initial entropy is known (``entropy.initial_scope: group``)
         self.h0_settled = [asyncio.Event() for _ in prompts]

@@ -32,8 +32,8 @@ class RolloutTree:
     """Every branch of one rollout call over a batch of prompt groups, and the transitions between phases."""
 
     def __init__(self, cfg: ARPORolloutConfig, tok: Any, prompts: list[list[int]], seed: int,
-                 calls: TagCalls | HermesCalls, call_rate_prior: dict[int, float], metrics: RolloutMetrics,
-                 cut_at_stop: Callable[..., tuple], group_ids: list[int]):
+                 call_format: TagCalls | HermesCalls, call_rate_prior: dict[int, float],
+                 metrics: RolloutMetrics, cut_at_stop: Callable[..., tuple], group_ids: list[int]):
         self.cfg, self.tok, self.prompts, self.seed = cfg, tok, prompts, seed
         #: each group's identity in the seeds of its decisions (its row in the batch), so a group rolled out
         #: alone (one agent loop) draws exactly what it draws in the batch rollout
@@ -44,8 +44,8 @@ class RolloutTree:
         self.lookahead = ForkLookahead(cfg, seed, cfg.n, cfg.tools.call_limit, vocab_size)
         #: how the model calls tools (tools.format): the stop strings the engine was given, how a call is
         #: parsed and how its result is written back
-        self.calls = calls
-        self.close_tags = calls.close_tags
+        self.call_format = call_format
+        self.close_tags = call_format.close_tags
         self.branches: list[Branch] = []
         self.by_group: list[list[Branch]] = [[] for _ in prompts]
         self.budgets = [GroupBudget(cfg.n) for _ in prompts]
@@ -166,7 +166,7 @@ class RolloutTree:
             else:
                 b.phase = Phase.TOOL
                 self.call_rates.record(b.group, b.n_calls + 1, made=True)
-                return self.calls.parse(seg_text, close)
+                return self.call_format.parse(seg_text, close)
         elif room <= 0:
             self._finish(b, "length")
         elif finish == "length" and out.token_ids:
@@ -194,7 +194,7 @@ class RolloutTree:
         h_before = self.policy.window_uncertainty(self, b.seg_logprobs) if b.seg_logprobs else None
         if h_before is not None:
             b.samples["entropy_before_tool"].append(h_before)
-        ids = self.tok.encode(self.calls.result_text(text), add_special_tokens=False)
+        ids = self.tok.encode(self.call_format.result_text(text), add_special_tokens=False)
         room = cfg.sampling.max_response_length - len(b.response_ids)
         truncated = len(ids) >= room
         ids = ids[:room]

@@ -7,9 +7,10 @@ same request always gives the same output and a different seed gives a different
 real engine honours: ``max_tokens`` (finish ``length``), EOS and ``stop_token_ids`` and stop strings (finish
 ``stop``; the stop string is kept in the output and named in ``stop_reason``), top-k logprobs per token (the
 sampled token included, mass below 1 like a real top-k), and a simulated block prefix cache that reports
-``num_cached_tokens``. Logprobs are flat (high entropy) for the first tokens after a tool result and peaked
-elsewhere (after a chat template's ``<tool_response>`` turn too), the shape ARPO's paper measured on real models. It also records every request and the peak
-number of requests in flight, so tests can check that callers batch their requests.
+``num_cached_tokens``. Logprobs are flat (high entropy) for the first tokens after a tool result (``<result>``, or a
+chat template's ``<tool_response>`` turn) and peaked elsewhere, the shape ARPO's paper measured on real models. It
+also records every request and the peak number of requests in flight, so tests can check that callers batch their
+requests.
 
 A test that needs exact text instead gives ``replies``: the reply for each model turn of the conversation (the
 turn counts the assistant headers and tool results already in the prompt, so forks, retries and concurrent

@@ -204,7 +204,8 @@ def test_a_hermes_run_gates_tool_call_json_and_tool_responses():
               + "<search> not a call </search><answer>\\boxed{1}</answer>")
     assert check_format(quoted, protocol).ok
     # an unloaded tool name is well formed (the rollout answered with an error) but counts for no tool
-    unknown = "<think> a </think>" + hermes("browse", {"url": "x"}, "Error: unknown tool") + "<answer>\\boxed{1}</answer>"
+    unknown = ("<think> a </think>" + hermes("browse", {"url": "x"}, "Error: unknown tool")
+               + "<answer>\\boxed{1}</answer>")
     assert check_format(unknown, protocol).ok
     assert count_real_tool_calls(check_format(unknown, protocol).tool_uses, protocol=protocol) == \
         {"search": 0, "python": 0}
