@@ -242,7 +242,10 @@ def build_rollout(cfg: DictConfig, engines: list[Any], tokenizer: Any, tools: An
         arpo_cfg = dict(OmegaConf.to_container(r.arpo, resolve=True))
         arpo_cfg["mode"] = r.mode
         arpo_cfg["calculate_log_probs"] = bool(r.calculate_log_probs)
-        return ARPORollout(engines, tokenizer, arpo_cfg, tools)
+        # the prompts' chat-template arguments, so a hermes tool message ends in the prompts' generation prompt
+        kwargs = cfg.data.get("apply_chat_template_kwargs")
+        return ARPORollout(engines, tokenizer, arpo_cfg, tools,
+                           chat_template_kwargs=OmegaConf.to_container(kwargs, resolve=True) if kwargs else None)
     from arpo.agent_loop.manager import AgentLoopManager
 
     return AgentLoopManager(engines, tokenizer, agent_loop_config(cfg), tools=list(tools.values()),

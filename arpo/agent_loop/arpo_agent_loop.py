@@ -51,7 +51,7 @@ class ARPOAgentLoop(AgentLoopBase):
         prompt = self.ctx.templater.prompt_ids(messages, with_tools=cfg.tools.format == "hermes")
         session = SessionEngine(self.ctx.server_manager, f"arpo-{uuid.uuid4().hex}")
         call = RolloutCall(session, self.ctx.tokenizer, self.ctx.tool_executor, cfg, [prompt], seed,
-                           group_ids=[group])
+                           group_ids=[group], chat_template_kwargs=self.ctx.templater.kwargs)
         try:
             trajectories = await call.run()
         finally:

@@ -113,7 +113,10 @@ class ARPORollout:
         config: ARPORolloutConfig | Mapping[str, Any] | None = None,
         tools: Mapping[str, BaseTool] | Iterable[BaseTool] | None = None,
         executor: ToolExecutor | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ):
+        """``chat_template_kwargs``: those the prompts were rendered with (``tools.format: hermes`` renders tool
+        messages with them)."""
         self.engines = list(engine) if isinstance(engine, Sequence) else [engine]
         if not self.engines:
             raise ValueError("ARPORollout needs at least one engine")
@@ -135,7 +138,8 @@ class ARPORollout:
         )
         #: how the model calls the tools (tools.format); built here so that a bad tag, or hermes without a chat
         #: template, fails at start-up, not in the first rollout
-        self.call_format = make_call_format(self.config, self.executor, tokenizer)
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.call_format = make_call_format(self.config, self.executor, tokenizer, self.chat_template_kwargs)
         self._calls = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         #: the last call's tool-call rates by depth: the prior of the next call's fill prediction (they decide
@@ -178,7 +182,8 @@ class ARPORollout:
             nonce = uuid.uuid4().hex[:8]
             sessions = [SessionEngine(self.router, f"rollout-{nonce}-g{g}") for g in range(len(prompts))]
         call = RolloutCall(sessions or self.engines[0], self.tokenizer, self.executor, cfg,
-                           [list(map(int, p)) for p in prompts], seed, self.call_rate_prior)
+                           [list(map(int, p)) for p in prompts], seed, self.call_rate_prior,
+                           chat_template_kwargs=self.chat_template_kwargs)
         try:
             trajectories = await call.run()
         finally:
@@ -235,13 +240,14 @@ class RolloutCall:
 
     def __init__(self, engine: GenerationEngine | Sequence[GenerationEngine], tokenizer: Any, executor: ToolExecutor,
                  cfg: ARPORolloutConfig, prompts: list[list[int]], seed: int,
-                 call_rate_prior: dict[int, float] | None = None, group_ids: list[int] | None = None):
+                 call_rate_prior: dict[int, float] | None = None, group_ids: list[int] | None = None,
+                 chat_template_kwargs: Mapping[str, Any] | None = None):
         self.cfg, self.executor, self.n_groups = cfg, executor, len(prompts)
         group_ids = list(range(len(prompts))) if group_ids is None else list(group_ids)
         if len(group_ids) != len(prompts):
             raise ValueError(f"{len(group_ids)} group ids for {len(prompts)} prompts")
         self.m = RolloutMetrics()
-        call_format = make_call_format(cfg, executor, tokenizer)
+        call_format = make_call_format(cfg, executor, tokenizer, chat_template_kwargs)
         want_logprobs = cfg.mode == "arpo" or cfg.return_entropy or cfg.calculate_log_probs
         params = SamplingParams(
             temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,

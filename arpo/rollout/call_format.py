@@ -126,8 +126,11 @@ class HermesCalls:
         return MalformedCall(tool, HERMES_CALL_OPEN, HERMES_CALL_CLOSE, message)
 
 
-def make_call_format(cfg: ARPORolloutConfig, executor: Any, tokenizer: Any) -> TagCalls | HermesCalls:
-    """The call format ``tools.format`` names, for these tools; tags mode checks the tools' tags here."""
+def make_call_format(cfg: ARPORolloutConfig, executor: Any, tokenizer: Any,
+                     chat_template_kwargs: Mapping[str, Any] | None = None) -> TagCalls | HermesCalls:
+    """The call format ``tools.format`` names, for these tools; tags mode checks the tools' tags here.
+    ``chat_template_kwargs``: those the prompts were rendered with (``data.apply_chat_template_kwargs``), so a
+    tool message ends in the same generation prompt (Qwen3 ``enable_thinking: false``: an empty think block)."""
     if cfg.tools.format == "hermes":
-        return HermesCalls(executor.tools, tokenizer)
+        return HermesCalls(executor.tools, tokenizer, chat_template_kwargs)
     return TagCalls(executor.protocol)

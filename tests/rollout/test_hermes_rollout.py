@@ -66,6 +66,13 @@ def test_the_tool_message_wrapper_comes_from_the_chat_template(tok):
         assert tool_message_wrapper(tok) == (
             "<|eot_id|><|start_header_id|>tool<|end_header_id|>\n\n",
             "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+        # Qwen3 with thinking off opens every generation prompt with an empty think block, after a tool result too
+        set_chat_template(tok, "qwen3")
+        assert tool_message_wrapper(tok) == (QWEN_BEFORE, QWEN_AFTER)
+        gen = ARPORollout(ScriptedEngine(tok), tok, {"tools.format": "hermes"}, tools=[FakeSearch()],
+                          chat_template_kwargs={"enable_thinking": False})
+        assert gen.call_format.after == QWEN_AFTER + "<think>\n\n</think>\n\n"
+        gen.close()
         tok.chat_template = None
         with pytest.raises(ValueError, match=f"^{KEY}=hermes: the tokenizer has no chat template"):
             tool_message_wrapper(tok)
