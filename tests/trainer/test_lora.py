@@ -196,7 +196,7 @@ class AdapterEngine:
 
 def test_adapter_sync_saves_the_adapter_and_every_engine_serves_it(small_model, synthetic_dir, one_process_group,
                                                                    caplog, tmp_path):
-    """lora_serving: adapter (the default on vLLM): each push saves the adapters alone (peft layout, the newest 3
+    """lora_serving: adapter (the default for vLLM on GPUs): each push saves the adapters alone (peft layout, the newest 3
     versions kept) and every replica is told to serve them; they are the trained policy, and far smaller than the
     merged weights the other path sends."""
     import logging
@@ -213,7 +213,8 @@ def test_adapter_sync_saves_the_adapter_and_every_engine_serves_it(small_model, 
     cfg = load_config("arpo_trainer", [
         f"actor_rollout_ref.model.path={small_model}", f"synthetic.out_dir={synthetic_dir}", "trainer.device=cpu",
         "trainer.n_gpus_per_node=1", "actor_rollout_ref.model.dtype=float32", "actor_rollout_ref.model.tree_packing=false",
-        "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8", f"trainer.output_dir={tmp_path}"])
+        "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8", f"trainer.output_dir={tmp_path}",
+        "actor_rollout_ref.rollout.lora_serving=adapter"])
     batch = random_batch(8, seed=7)
     engines = [AdapterEngine(), AdapterEngine()]
     actor = LocalWorkerGroup(cfg, "actor")
