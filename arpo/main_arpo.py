@@ -167,11 +167,17 @@ def build_trainer(cfg: DictConfig):
 
     t = cfg.trainer
     tokenizer = tokenizer_for(cfg)
-    train_loader, val_loader = create_rl_dataloaders(cfg, tokenizer)
+    tools = load_tools(cfg.tools)
+    # A model that calls tools in the hermes format reads their schemas from the prompt's tools block.
+    hermes = cfg.actor_rollout_ref.rollout.arpo.tools.format == "hermes"
+    try:
+        train_loader, val_loader = create_rl_dataloaders(cfg, tokenizer, tools.schemas() if hermes else None)
+    except BaseException:
+        tools.close()  # a bad data file stops the run here: its sandbox workers must not outlive it
+        raise
     init_ray(cfg)
     resolve_rollout_auto(cfg, uses_gpu_placement(cfg))  # num_replicas, free_cache_engine: null -> by placement
     check_cluster_fits(cfg)
-    tools = load_tools(cfg.tools)
     engines, groups = _start_engine_and_workers(cfg, create_engines, RayWorkerGroup)
     if len(engines) > 1:
         logger.info("%d engine replicas on Ray nodes %s", len(engines), [getattr(e, "node_id", None) for e in engines])

@@ -231,8 +231,10 @@ class StatefulPromptLoader:
         self.batch_index = int(state["batch_index"])
 
 
-def create_rl_dataloaders(cfg: Any, tokenizer: Any) -> tuple[StatefulPromptLoader, StatefulPromptLoader | None]:
-    """Train and validation loaders from the ``data.*`` keys (configs/trainer/data.yaml)."""
+def create_rl_dataloaders(cfg: Any, tokenizer: Any, tool_schemas: list[dict] | None = None
+                          ) -> tuple[StatefulPromptLoader, StatefulPromptLoader | None]:
+    """Train and validation loaders from the ``data.*`` keys (configs/trainer/data.yaml). ``tool_schemas``: the
+    tools' OpenAI schemas, rendered into every prompt by the chat template (its tools block), for hermes calls."""
     from arpo.trainer.actor_config import cfg_get
 
     def files(key: str) -> list[str]:
@@ -246,6 +248,8 @@ def create_rl_dataloaders(cfg: Any, tokenizer: Any) -> tuple[StatefulPromptLoade
                   filter_overlong_prompts=bool(cfg_get(cfg, "data.filter_overlong_prompts", True)),
                   truncation=cfg_get(cfg, "data.truncation", "error"),
                   apply_chat_template_kwargs=dict(cfg_get(cfg, "data.apply_chat_template_kwargs", {}) or {}))
+    if tool_schemas:
+        common["apply_chat_template_kwargs"]["tools"] = list(tool_schemas)
     train_files = files("data.train_files")
     if not train_files:
         raise ValueError("data.train_files is not set: give one or more verl-format parquet or .jsonl files")

@@ -120,3 +120,22 @@ def test_create_rl_dataloaders_from_config(synthetic_dir, tokenizer):
     assert _indices(val.all_rows()) == list(range(len(val.dataset)))
     with pytest.raises(ValueError, match="data.train_files"):
         create_rl_dataloaders({"data": {}}, tokenizer)
+
+
+def test_hermes_runs_get_the_tools_block_in_every_prompt(synthetic_dir, small_model):
+    """With tool schemas (tools.format hermes) the chat template writes its tools block into each prompt: the
+    model reads there which functions it may call."""
+    from arpo.chat_templates import load_tokenizer
+    from arpo.config import REPO_ROOT
+    from tools.registry import load_tools
+
+    qwen = load_tokenizer(small_model, "qwen2.5")
+    tools = load_tools(REPO_ROOT / "configs" / "tools" / "python.yaml")
+    cfg = {"data": {"train_files": [str(synthetic_dir / "val.parquet")], "train_batch_size": 2,
+                    "max_prompt_length": 8192}}
+    plain, _ = create_rl_dataloaders(cfg, qwen)
+    hermes, _ = create_rl_dataloaders(cfg, qwen, tools.schemas())
+    without, with_tools = (qwen.decode(loader.dataset.rows[0]["raw_prompt_ids"]) for loader in (plain, hermes))
+    assert "<tools>" not in without and "<tools>" in with_tools
+    assert all(f'"name": "{s["function"]["name"]}"' in with_tools for s in tools.schemas())
+    tools.close()
