@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from arpo.evaluation.prompts import system_prompt
-
 logger = logging.getLogger(__name__)
 
 QUESTION_KEYS = ("question", "problem", "Question")
@@ -94,10 +92,11 @@ def parquet_benchmark_name(path: str | Path) -> str:
     return p.parent.name if p.stem.lower() in GENERIC_STEMS else p.stem
 
 
-def load_parquet_benchmark(path: str | Path, benchmark: str, prompt_type: str | None = None,
+def load_parquet_benchmark(path: str | Path, benchmark: str, system: str | None = None,
                            data_source: str | None = None, limit: int | None = None) -> list[EvalItem]:
-    """verl-format rows: their chat messages (system message replaced when ``prompt_type`` is given), their
-    ``data_source`` unless ``data_source`` overrides it, ``reward_model.ground_truth``."""
+    """verl-format rows: their chat messages (system message replaced by ``system`` when given, e.g.
+    :func:`arpo.evaluation.prompts.system_prompt`), their ``data_source`` unless ``data_source`` overrides it,
+    ``reward_model.ground_truth``."""
     import pandas as pd
 
     df = pd.read_parquet(path)
@@ -109,9 +108,9 @@ def load_parquet_benchmark(path: str | Path, benchmark: str, prompt_type: str | 
     items: list[EvalItem] = []
     for i, row in enumerate(df.to_dict("records")):
         messages = [dict(m) for m in _plain(row["prompt"])]
-        if prompt_type is not None:
+        if system is not None:
             messages = [m for m in messages if m["role"] != "system"]
-            messages.insert(0, {"role": "system", "content": system_prompt(prompt_type)})
+            messages.insert(0, {"role": "system", "content": system})
         users = [m["content"] for m in messages if m["role"] == "user"]
         extra = _plain(row.get("extra_info")) or {}
         question = extra.get("question") if isinstance(extra, Mapping) else None

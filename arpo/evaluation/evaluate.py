@@ -27,7 +27,7 @@ from arpo.config import REPO_ROOT, ConfigError
 from arpo.evaluation.benchmarks import (EvalItem, encode_prompt, load_jsonl_benchmark, load_parquet_benchmark,
                                         parquet_benchmark_name)
 from arpo.evaluation.metrics import PROFILES, summarise_profiles
-from arpo.evaluation.prompts import PROMPT_TYPES, system_prompt
+from arpo.evaluation.prompts import PROMPT_TYPES, describe_tools, system_prompt
 from arpo.evaluation.records import load_run_samples, load_samples, sample_key, samples_path
 
 logger = logging.getLogger(__name__)
@@ -98,6 +98,13 @@ def load_items(cfg: DictConfig, compute_score: Any) -> list[EvalItem]:
     items: list[EvalItem] = []
     names: set[str] = set()
     data_dir = _resolve_path(str(e.data_dir))
+    described: list = []
+
+    def prompt(prompt_type: str | None) -> str | None:
+        if prompt_type == "tools" and not described:  # read the tools' schemas once, only when asked for
+            described.extend(describe_tools(cfg.tools))
+        return None if prompt_type is None else system_prompt(prompt_type, described)
+
     for bench in e.benchmarks:
         bench = str(bench)
         path = data_dir / bench / "test.jsonl"
@@ -108,7 +115,7 @@ def load_items(cfg: DictConfig, compute_score: Any) -> list[EvalItem]:
         prompt_type = e.prompt_type
         if e.math_prompt_type and _reward_family(compute_score, bench) == "math":
             prompt_type = e.math_prompt_type
-        items.extend(load_jsonl_benchmark(path, bench, system_prompt(prompt_type), limit=limit))
+        items.extend(load_jsonl_benchmark(path, bench, prompt(prompt_type), limit=limit))
         names.add(bench)
     for i, entry in enumerate(e.parquet_files):
         entry = OmegaConf.to_container(entry) if isinstance(entry, DictConfig) else entry
@@ -126,7 +133,7 @@ def load_items(cfg: DictConfig, compute_score: Any) -> list[EvalItem]:
                               f"with {{path: {spec['path']}, name: ...}}")
         names.add(name)
         try:
-            items.extend(load_parquet_benchmark(path, name, e.parquet_prompt, spec.get("data_source"), limit))
+            items.extend(load_parquet_benchmark(path, name, prompt(e.parquet_prompt), spec.get("data_source"), limit))
         except ValueError as err:
             raise ConfigError(f"eval.parquet_files[{i}]: {err}") from None
     return items

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from arpo.config import ConfigError, load_config
+from arpo.config import REPO_ROOT, ConfigError, load_config
 from arpo.eval import main
 from arpo.evaluation.evaluate import evaluate, load_items
 from arpo.evaluation.prompts import system_prompt
@@ -63,6 +63,24 @@ def test_benchmark_rows_and_prompts(data_dir, tmp_path):
     assert by["gsm8k"][0].messages[0]["content"] == system_prompt("math")
     assert by["bamboogle"][0].messages == [{"role": "system", "content": system_prompt("code_search")},
                                            {"role": "user", "content": "Who is person 0?"}]
+
+
+def test_tools_prompt_names_the_runs_own_tools(data_dir, tmp_path):
+    """eval.prompt_type=tools tells the model about the configured tools (here the unit converter example): each
+    tag with what goes inside and its schema's description, and an example call in the tag protocol."""
+    from omegaconf import OmegaConf, open_dict
+
+    cfg = _cfg(data_dir, tmp_path, "eval.benchmarks=[bamboogle]", "eval.max_samples=1", "eval.prompt_type=tools")
+    with open_dict(cfg):
+        cfg.tools = OmegaConf.load(REPO_ROOT / "examples" / "unit_converter_tools.yaml")
+    (item,) = load_items(cfg, build_compute_score(cfg))
+    prompt = item.messages[0]["content"]
+    assert prompt.startswith("You are a helpful assistant") and "<search>" not in prompt
+    assert "<convert> input </convert>: Convert a quantity between units: " in prompt
+    assert "<convert> input here </convert> <result> convert result here </result>" in prompt
+    assert "\\boxed{answer here}" in prompt
+    with pytest.raises(ValueError, match="eval.prompt_type=tools"):
+        system_prompt("tools")
 
 
 def test_parquet_rows_keep_their_messages(synthetic_dir, data_dir, tmp_path):
