@@ -92,6 +92,9 @@ def start_up_config_error(model: Path, data: Path, *overrides: str) -> str:
      "num_replicas=2 needs actor_rollout_ref.rollout.ray_actor=true"),
     (["actor_rollout_ref.rollout.num_replicas=5"], "fewer than the 7 the actors ask for"),
     (["trainer.nnodes=2", "trainer.n_gpus_per_node=1"], "trainer.nnodes=2 needs a Ray cluster of that many nodes"),
+    (["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.rollout.name=hf",
+      "actor_rollout_ref.rollout.lora_serving=adapter"],
+     "actor_rollout_ref.rollout.lora_serving=adapter needs actor_rollout_ref.rollout.name=vllm"),
 ])
 def test_bad_config_fails_at_start_up_naming_the_key(tiny_model_dir, synthetic_dir, overrides, expect):
     assert expect in start_up_config_error(tiny_model_dir, synthetic_dir, *overrides)

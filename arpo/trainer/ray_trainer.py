@@ -249,7 +249,8 @@ class RayARPOTrainer:
         if self.free_cache_engine:
             _run_all(e.wake_up(["weights"]) for e in self.engines)
         if self.lora_serving == "adapter":  # the base never changes: the adapter alone, MBs
-            out = Path(self.cfg.trainer.get("output_dir") or ".") / "lora_adapters" / f"step_{self.global_step}"
+            # named for the step whose rollout it serves, as rollouts/step_N.jsonl
+            out = Path(self.cfg.trainer.get("output_dir") or ".") / "lora_adapters" / f"step_{self.global_step + 1}"
             sync = asyncio.run(sync_adapter(self.actor_wg, self.engines, out))
         else:
             sync = asyncio.run(stream_weights(self.actor_wg, self.engines, bucket_bytes_from_cfg(self.cfg)))
@@ -383,9 +384,10 @@ class TrainerCheckpointer:
         state = load_checkpoint(path, trainer.actor_wg, dataloader=trainer.train_data, critic_group=trainer.critic_wg)
         if trainer.kl_ctrl is not None and state.get("kl_coef") is not None:
             trainer.kl_ctrl.value = state["kl_coef"]
-        # The engine started from the initial weights: give it the restored ones.
+        # The engine started from the initial weights: give it the restored ones (named for the step they serve).
+        trainer.global_step = int(state["global_step"])
         trainer.push_weights()
-        return int(state["global_step"])
+        return trainer.global_step
 
 
 def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> None:

@@ -12,6 +12,7 @@ everywhere, whatever the model's size. The engines finish (and resume generation
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import sys
 import time
@@ -82,6 +83,7 @@ async def sync_adapter(group: Any, engines: Sequence[Any], out_dir: str | Path,
     Returns what :func:`stream_weights` does (one "bucket": the adapter's files)."""
     start = time.perf_counter()
     path = Path(group.execute_all("save_lora_adapter", str(out_dir))[0])
+    os.utime(path)  # files rewritten in place (a resumed run's step) leave the directory's time as it was
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     await asyncio.gather(*(e.load_adapter(str(path)) for e in engines))
     prune_adapters(path.parent, keep)
@@ -90,8 +92,9 @@ async def sync_adapter(group: Any, engines: Sequence[Any], out_dir: str | Path,
 
 
 def prune_adapters(root: Path, keep: int) -> None:
-    """Remove all but the ``keep`` newest adapter directories (``step_N``, by N) under ``root``."""
-    steps = sorted((d for d in root.glob("step_*") if d.is_dir() and d.name[5:].isdigit()),
-                   key=lambda d: int(d.name[5:]))
-    for old in steps[:-max(keep, 1)]:
+    """Remove all but the ``keep`` most recently written adapter directories (``step_*``) under ``root``: by time,
+    not N, so a resumed run's first version is never taken for an old one beside a dead run's higher steps."""
+    written = sorted((d for d in root.glob("step_*") if d.is_dir()),
+                     key=lambda d: (d.stat().st_mtime_ns, int(d.name[5:]) if d.name[5:].isdigit() else -1))
+    for old in written[:-max(keep, 1)]:
         shutil.rmtree(old, ignore_errors=True)
