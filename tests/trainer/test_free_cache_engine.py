@@ -48,6 +48,7 @@ def _trainer(engine, free: bool, tmp_path):
     # push_weights needs only these parts; the rest of the trainer is exercised end to end in test_main_arpo
     trainer = RayARPOTrainer.__new__(RayARPOTrainer)
     trainer.engines, trainer.free_cache_engine, trainer.global_step = [engine], free, 0
+    trainer.lora_serving = None  # no LoRA: the full weights are pushed
     trainer.cfg = {}  # checkpoint_engine.update_weights_bucket_megabytes: verl's default
     trainer.actor_wg = StateDictGroup()
     trainer.train_data = SimpleNamespace(dataset=[{"raw_prompt_ids": [5, 6, 7]}])
