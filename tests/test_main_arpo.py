@@ -157,7 +157,9 @@ def ray_head(num_cpus: int, worker_cpus: tuple[int, ...] = (), gpus: int = 0) ->
     temp_dir = tempfile.mkdtemp(prefix="rayhead", dir="/tmp")  # Ray's socket paths must stay short
     env = {**run_env(), "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": multi_node_env(bool(worker_cpus))["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"],
-           "RAY_raylet_start_wait_time_s": "120"}  # as init_ray sets
+           # longer than init_ray's 120 s: on 2 cores the head starts while the other test worker starts a whole
+           # training run, and its raylet twice took over 120 s to register there
+           "RAY_raylet_start_wait_time_s": "300"}
     start = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
                               "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", f"--num-gpus={gpus}",
                               "--include-dashboard=false", f"--temp-dir={temp_dir}",
@@ -166,7 +168,7 @@ def ray_head(num_cpus: int, worker_cpus: tuple[int, ...] = (), gpus: int = 0) ->
                              start_new_session=True)
     workers: list[subprocess.Popen] = []
     try:
-        out, _ = start.communicate(timeout=180)  # returns once the head's raylet is up
+        out, _ = start.communicate(timeout=360)  # returns once the head's raylet is up
         assert start.returncode == 0, out[-3000:]
         # the address the head serves on: 127.0.0.1 alone, the routable one for several nodes
         host = re.search(r"Local node IP\D*?(\d+\.\d+\.\d+\.\d+)", re.sub(r"\x1b\[[0-9;]*m", "", out))[1]
@@ -176,7 +178,7 @@ def ray_head(num_cpus: int, worker_cpus: tuple[int, ...] = (), gpus: int = 0) ->
                  "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}", f"--num-gpus={gpus}",
                  "--object-store-memory=209715200"],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
-            out, _ = workers[-1].communicate(timeout=180)
+            out, _ = workers[-1].communicate(timeout=360)
             assert workers[-1].returncode == 0, out[-3000:]
         yield f"{host}:{port}"
     finally:
