@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from arpo.seeding import rng_state, set_rng_state
-from arpo.trainer.lora import adapter_state, has_lora, is_adapter, save_adapter
+from arpo.trainer.lora import adapter_state, has_lora, save_worker_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -158,24 +158,19 @@ def _check_lora_match(worker: Any, src: Path, meta: dict) -> None:
 def export_worker_hf(worker: Any, out_dir: str | Path) -> str | None:
     """The worker's model as an HF checkpoint in ``out_dir`` (:func:`export_hf_model`; with LoRA the merged model,
     plus the adapter alone in ``out_dir/lora_adapter`` for peft). Collective; rank 0 writes and returns the path."""
-    from arpo.trainer.actor_update import full_tensor
     from arpo.trainer.memory import release_memory
 
-    state = adapters = None
+    state = None
     try:
-        if has_lora(worker.model):  # collective: every rank gathers each adapter whole
-            adapters = {n: full_tensor(p.detach()).cpu() for n, p in worker.model.named_parameters() if is_adapter(n)}
+        if has_lora(worker.model):  # collective: every rank gathers each adapter whole; rank 0 writes them
+            save_worker_adapter(worker, Path(out_dir) / "lora_adapter")
         state = worker.state_dict_for_engine()
         if state is None:
             return None
-        out = export_hf_model(state, worker.model.config, worker.cfg.model.path, out_dir,
-                              worker.cfg.model.custom_chat_template)
-        if adapters is not None:
-            m = worker.cfg.model
-            save_adapter(adapters, m.lora_rank, m.lora_alpha, m.target_modules, str(m.path), out / "lora_adapter")
-        return str(out)
+        return str(export_hf_model(state, worker.model.config, worker.cfg.model.path, out_dir,
+                                   worker.cfg.model.custom_chat_template))
     finally:
-        state = adapters = None
+        state = None
         release_memory()
 
 
