@@ -18,9 +18,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 #: /proc/cpuinfo flags that decide which kernels run (bf16/fp32 matmuls), in the order they matter
 ISA_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2", "fma")
-#: environment that overrides kernel choice (oneDNN's ISA cap, ATen's vector width) or threading
-ENV_KEYS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS", "OMP_WAIT_POLICY",
-            "KMP_BLOCKTIME", "GOMP_SPINCOUNT")
+#: environment that overrides kernel choice (oneDNN's ISA cap, ATen's vector width, MKL's code path) or threading
+ENV_KEYS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_CBWR", "OMP_NUM_THREADS",
+            "OMP_WAIT_POLICY", "KMP_BLOCKTIME", "GOMP_SPINCOUNT")
 
 
 def git_sha() -> str:
