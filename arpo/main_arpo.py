@@ -355,6 +355,15 @@ def write_plots(run_dir: Path, rollout_dir: str | None) -> str | None:
     return str(run_dir / "plots") if written else None
 
 
+def validation_records(path: Path) -> dict[int, list[dict]]:
+    """One validation dump (``step_<N>.jsonl``) grouped by prompt: a prompt's samples under its index."""
+    by_prompt: dict[int, list[dict]] = {}
+    for line in Path(path).read_text().splitlines():
+        rec = json.loads(line)
+        by_prompt.setdefault(rec["prompt_index"], []).append(rec)
+    return by_prompt
+
+
 def validation_gain(folder: str | None, last_step: int, confidence: float = 0.95) -> dict[str, Any] | None:
     """Before (step 0) vs after (``last_step``) validation, paired by prompt: mean accuracy and reward with a
     bootstrap confidence interval of the gain. None when either validation is missing."""
@@ -367,13 +376,7 @@ def validation_gain(folder: str | None, last_step: int, confidence: float = 0.95
     files = [Path(folder) / f"step_{s}.jsonl" for s in (0, last_step)]
     if not all(f.is_file() for f in files):
         return None
-    per_prompt = []
-    for f in files:
-        by_prompt: dict[int, list[dict]] = {}
-        for line in f.read_text().splitlines():
-            rec = json.loads(line)
-            by_prompt.setdefault(rec["prompt_index"], []).append(rec)
-        per_prompt.append(by_prompt)
+    per_prompt = [validation_records(f) for f in files]
     common = sorted(set(per_prompt[0]) & set(per_prompt[1]))
     out: dict[str, Any] = {"before_step": 0, "after_step": last_step}
     for key in ("acc", "score"):

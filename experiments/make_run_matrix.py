@@ -115,18 +115,13 @@ def validation_by_kind(cell: Path, summary: dict) -> dict[str, dict]:
     import numpy as np
     import pandas as pd
 
+    from arpo.main_arpo import validation_records
     from arpo.stats import paired_gain
 
     gain = summary["validation_gain"]
     val = pd.read_parquet(cell / "data" / "synthetic" / "val.parquet")
     steps = [cell / "rl" / "validation" / f"step_{gain[k]}.jsonl" for k in ("before_step", "after_step")]
-    per_step = []
-    for path in steps:
-        by_prompt: dict[int, list[dict]] = {}
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            by_prompt.setdefault(rec["prompt_index"], []).append(rec)
-        per_step.append(by_prompt)
+    per_step = [validation_records(path) for path in steps]
     common = sorted(set(per_step[0]) & set(per_step[1]))
     kinds: dict[str, list[int]] = {}
     for i in common:
