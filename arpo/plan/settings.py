@@ -7,6 +7,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from arpo.plan.lora_buffers import EngineLoRA, engine_lora
+
 #: ``actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes`` when the config has no such key
 DEFAULT_BUCKET_MB = 512
 #: vLLM's token budget per step when ``max_num_batched_tokens`` is unset (its default for H100-class GPUs)
@@ -71,6 +73,10 @@ class PlanSettings:
     bucket_bytes: int
     object_store_bytes: int
     cpu_kvcache_bytes: int
+    #: how LoRA weights reach the engines (resolved for the planned device: adapter | merged; None without LoRA)
+    lora_serving: str | None = None
+    #: with ``lora_serving: adapter``: the engine's LoRA settings, which size vLLM's LoRA buffers
+    engine_lora: EngineLoRA | None = None
 
     @property
     def world_size(self) -> int:
@@ -105,6 +111,10 @@ class PlanSettings:
         bucket_mb = float(_get(cfg, f"{r}.checkpoint_engine.update_weights_bucket_megabytes", DEFAULT_BUCKET_MB))
         kv_gb = _get(cfg, f"{r}.cpu_kvcache_space_gb", 2)
         model_len = _get(cfg, f"{r}.max_model_len")
+        lora_rank = int(_get(cfg, "actor_rollout_ref.model.lora_rank", 0))
+        serving = _lora_serving(cfg, gpu)
+        kwargs = OmegaConf.select(cfg, f"{r}.engine_kwargs", default=None)
+        kwargs = OmegaConf.to_container(kwargs, resolve=True) if isinstance(kwargs, DictConfig) else kwargs
         return cls(
             gpu=gpu, nnodes=int(t.nnodes), gpus_per_node=int(t.n_gpus_per_node), hybrid=hybrid, tensor_parallel=tp,
             replicas=int(replicas),
@@ -123,7 +133,7 @@ class PlanSettings:
             logprob_chunk=int(_get(cfg, "actor_rollout_ref.actor.logprob_chunk_size", 256)),
             tree_packing=tree == "true" or (tree == "auto" and not gpu),
             reference=needs_reference(cfg), critic=uses_critic(cfg),
-            lora_rank=int(_get(cfg, "actor_rollout_ref.model.lora_rank", 0)),
+            lora_rank=lora_rank,
             lora_targets=_lora_targets(_get(cfg, "actor_rollout_ref.model.target_modules", "all-linear")),
             free_cache_engine=bool(hybrid and gpu) if free_cache is None else bool(free_cache),
             cuda_graphs=gpu and not resolve_enforce_eager(_get(cfg, f"{r}.enforce_eager"), "cuda"),
@@ -134,7 +144,17 @@ class PlanSettings:
             max_num_batched_tokens=int(_get(cfg, f"{r}.max_num_batched_tokens", DEFAULT_BATCHED_TOKENS)),
             bucket_bytes=int(bucket_mb * 2**20),
             object_store_bytes=int(_get(cfg, "ray_init.object_store_memory", 2 * 2**30)),
-            cpu_kvcache_bytes=int(float(kv_gb) * 2**30))
+            cpu_kvcache_bytes=int(float(kv_gb) * 2**30),
+            lora_serving=serving,
+            engine_lora=engine_lora(lora_rank, kwargs) if serving == "adapter" else None)
+
+
+def _lora_serving(cfg: DictConfig, gpu: bool) -> str | None:
+    """``lora_serving`` as resolved at start-up; on a config that never started (``python -m arpo.plan``), for the
+    device planned (a GPU plan on a CPU machine plans what a GPU run would do)."""
+    from arpo.engine.lora_serving import lora_serving_from_cfg
+
+    return lora_serving_from_cfg(cfg, "cuda" if gpu else "cpu")
 
 
 def _lora_targets(value: Any) -> str | tuple[str, ...]:

@@ -19,7 +19,6 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from arpo.batch import DataBatch
-from arpo.engine.lora_serving import describe as describe_lora_serving
 from arpo.engine.lora_serving import lora_serving_from_cfg
 from arpo.trainer import core_algos
 from arpo.trainer.actor_config import needs_old_log_prob_pass, reference_policy, validation_sampling
@@ -79,10 +78,9 @@ class RayARPOTrainer:
         #: where the reference log-probs come from (actor_config.reference_policy); "actor": LoRA's frozen base
         ref = reference_policy(cfg)
         self.reference = ref if ref == "actor" or ref_wg is not None else None
-        #: how LoRA weights reach the engines after an update ("adapter" | "merged"; None without LoRA)
+        #: how LoRA weights reach the engines after an update ("adapter" | "merged"; None without LoRA), as
+        #: resolved and logged at config validation
         self.lora_serving = lora_serving_from_cfg(cfg)
-        if self.lora_serving is not None:
-            logger.info(describe_lora_serving(self.lora_serving))
         if self.reference is not None:
             logger.info("reference policy: %s", "the actor's base model (LoRA adapters disabled; no reference "
                         "worker group)" if self.reference == "actor" else "its own worker group")
