@@ -153,7 +153,8 @@ class VLLMEngine:
                        request_id: str) -> GenerationOutput:
         """Generate one continuation of ``prompt_ids``; ``max_tokens`` is clipped to the room left in
         ``max_model_len`` (a prompt that already fills it returns no tokens with finish_reason "length")."""
-        from vllm.inputs import TokensPrompt
+        # The engine's own token input: vLLM 0.32 deprecates raw prompt dicts (TokensPrompt) at this API
+        from vllm.inputs.engine import tokens_input
 
         if not prompt_ids:
             raise ValueError(f"request {request_id}: prompt_ids is empty; give at least one token")
@@ -166,7 +167,7 @@ class VLLMEngine:
         final = None
         # Every caller (the ARPO rollout, the agent loop, the weight-sync probe) reaches vLLM here, so the current
         # adapter is attached here and nowhere else.
-        async for out in self._llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, request_id,
+        async for out in self._llm.generate(tokens_input(prompt_ids), params, request_id,
                                             lora_request=self._lora_request):
             final = out
         if final is None:  # pragma: no cover - vLLM always yields the finished output

@@ -21,7 +21,9 @@ class SandboxConfig:
     """
 
     # --- limits -------------------------------------------------------------------------------
-    timeout_s: float = 10.0  # wall clock for the whole call, interpreter start included
+    # wall clock for the whole call, interpreter start included: a backstop for programs that block; the CPU limit
+    # bounds computation, so a busy machine (slower wall clock) does not change which programs finish
+    timeout_s: float = 60.0
     cpu_time_s: float = 10.0  # RLIMIT_CPU per process (soft → SIGXCPU, hard one second later → SIGKILL)
     memory_mb: int = 1024  # RLIMIT_AS per process (address space, not RSS; numpy imports within 128 MiB)
     max_processes: int = 16  # RLIMIT_NPROC: processes + threads of the sandbox uid, interpreter included

@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 
 # The environment of bwrap / unshare themselves (the program's own environment is built from scratch).
 _LAUNCHER_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
-_KILL_GRACE_S = 5.0
+# after SIGKILL, how long the launcher may take to be reaped: seconds on a loaded machine (namespace teardown)
+_KILL_GRACE_S = 30.0
 _UIDS_PER_PROCESS = 100
 
 
