@@ -75,6 +75,18 @@ def require_path(value: str | None, key: str, fix: str, kind: str = "path") -> P
     return p
 
 
+def _exit_cleanly_on_sigterm() -> None:
+    """SIGTERM (``kill``, a scheduler's stop) ends the program as Ctrl-C does, through ``finally`` blocks and
+    ``atexit``: Python's default ends it on the spot, which left the in-process vLLM engine core and a Ray cluster
+    the program started running as orphans, still using the CPUs."""
+    import signal
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def cli_main(fn: Callable[[], object]) -> None:
     """Run an entry point; a ConfigError becomes one line on stderr and exit status 2.
 
@@ -84,6 +96,8 @@ def cli_main(fn: Callable[[], object]) -> None:
     from arpo.fast_exit import exit_now
 
     as_program = sys._getframe(1).f_globals.get("__name__") == "__main__"
+    if as_program:
+        _exit_cleanly_on_sigterm()
     try:
         fn()
     except ConfigError as e:
