@@ -128,7 +128,7 @@ def lora_serving_from_cfg(cfg: Any, device: str | None = None) -> str | None:
 
 
 def describe(serving: str | None) -> str:
-    """One line for the trainer's start-up log: how LoRA weights reach the engine after each update."""
+    """One line for the run's start-up log (config validation): how LoRA weights reach the engines."""
     if serving == "adapter":
         return ("LoRA weights reach the engine as the adapter alone (peft directory per version, vLLM serves it on "
                 f"the base weights; {KEY}=adapter)")
