@@ -272,12 +272,17 @@ class Pipeline:
     def run_eval_and_tables(self) -> dict:
         """Evaluate the RL model on the released benchmarks (resuming its own samples), then the paper's tables."""
         from arpo.evaluation.evaluate import run_dir_of
-        from arpo.pipeline_stages import eval_digest, run_eval, write_tables
+        from arpo.pipeline_stages import claim_eval_dir, eval_digest, run_eval, write_tables
 
         cfg = self.config("eval")
+        run_dir = run_dir_of(cfg)
         result: dict = {}
-        self._stage(5, "eval", run_dir_of(cfg), False,
-                    lambda: result.update(eval=eval_digest(run_eval(cfg), run_dir_of(cfg))))
+
+        def evaluate() -> None:
+            claim_eval_dir(run_dir, Path(str(cfg.actor_rollout_ref.model.path)), self.force)
+            result["eval"] = eval_digest(run_eval(cfg), run_dir)
+
+        self._stage(5, "eval", run_dir, False, evaluate)
         self._stage(6, "tables", self.paths["tables"], False,
                     lambda: result.update(tables=str(write_tables(self.paths["eval"], self.paths["tables"])
                                                      ["table1.md"].parent)))

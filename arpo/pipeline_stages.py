@@ -8,8 +8,11 @@ researcher runs by hand (``python -m arpo.eval``, ``python -m arpo.tables``).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -107,6 +110,39 @@ def download_base_model(repo_id: str, out_dir: Path) -> Path:
 def has_checkpoint(folder: Path) -> bool:
     """An HF checkpoint's weights: one file, or shards with their index (7B checkpoints are saved sharded)."""
     return (folder / "model.safetensors").exists() or (folder / "model.safetensors.index.json").exists()
+
+
+#: the RL model an evaluation folder's samples were made with (the pipeline writes it there)
+MODEL_STAMP = "pipeline_model.json"
+
+
+def weights_fingerprint(model_dir: Path, edge_bytes: int = 4 << 20) -> dict[str, str]:
+    """Per weight file its size and a hash of its first and last ``edge_bytes``: seconds at 7B, and a trained
+    model differs there (every tensor moves under AdamW), while a re-export of the same weights does not."""
+    out = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        size = f.stat().st_size
+        h = hashlib.sha256(str(size).encode())
+        with f.open("rb") as fh:
+            h.update(fh.read(edge_bytes))
+            fh.seek(max(0, size - edge_bytes))
+            h.update(fh.read(edge_bytes))
+        out[f.name] = h.hexdigest()
+    return out
+
+
+def claim_eval_dir(run_dir: Path, model_dir: Path, force: bool) -> None:
+    """Samples in ``run_dir`` resume only for the same RL model: a rerun after more training would otherwise report
+    the old model's answers. ``force`` starts the folder afresh; a different model without it stops the run."""
+    stamp_path = run_dir / MODEL_STAMP
+    stamp = {"model": str(model_dir), "weights": weights_fingerprint(model_dir)}
+    if force and run_dir.exists():
+        shutil.rmtree(run_dir)
+    elif stamp_path.is_file() and json.loads(stamp_path.read_text()) != stamp:
+        raise ConfigError(f"{run_dir} holds samples of another RL model than {model_dir} now is; rerun with --force "
+                          f"to evaluate it afresh, or give another eval.method or eval.seed to keep both")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stamp_path.write_text(json.dumps(stamp, indent=2) + "\n")
 
 
 def run_eval(cfg: DictConfig) -> dict[str, Any]:

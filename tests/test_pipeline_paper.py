@@ -147,3 +147,44 @@ def test_paper_preset_end_to_end_smoke(smollm2_truncated_dir, shared_data, tmp_p
     cells = dict(zip(header, [c.strip() for c in row.strip("|").split("|")]))
     assert cells["Bamboogle"] != "–" and cells["GSM8K"] != "–" and cells["AIME24"] == "–"
     assert float(cells["GSM8K"]) == pytest.approx(100 * summary["eval"]["benchmarks"]["gsm8k"]["acc"])
+
+
+def test_an_hf_id_is_downloaded_once_into_models_then_used_by_sft(tmp_path, tiny_model_dir, monkeypatch):
+    """``base_model: Qwen/Qwen2.5-7B-Instruct``: fetched with huggingface_hub into models/<preset>-base (here a
+    stand-in copies the tiny checkpoint), checked as an HF checkpoint, and the SFT stage reads it from there."""
+    import shutil
+
+    import huggingface_hub
+
+    calls = []
+
+    def fake_download(repo_id: str, local_dir: str, allow_patterns: list[str]) -> str:
+        calls.append(repo_id)
+        shutil.copytree(tiny_model_dir, local_dir, dirs_exist_ok=True)
+        return local_dir
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    p = Pipeline(tmp_path, PAPER, [f"sft.train_file={SHAREGPT}"])
+    base = tmp_path / "models" / f"{PAPER}-base"
+    assert p.base_model_dir == base and p.config("sft").actor_rollout_ref.model.path == str(base)
+    p._build_base()
+    assert calls == ["Qwen/Qwen2.5-7B-Instruct"] and (base / "config.json").is_file()
+
+
+def test_eval_samples_resume_only_for_the_same_rl_model(tmp_path):
+    """A rerun after more RL must not report the earlier model's answers: the eval folder records the weights'
+    fingerprint; the same weights resume, other weights stop the run, --force starts the folder afresh."""
+    from arpo.pipeline_stages import claim_eval_dir
+
+    model, run_dir = tmp_path / "hf_model", tmp_path / "eval" / "arpo" / "seed0"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"a" * 10_000)
+    claim_eval_dir(run_dir, model, force=False)
+    (run_dir / "samples").mkdir()
+    (run_dir / "samples" / "gsm8k.jsonl").write_text("{}\n")
+    claim_eval_dir(run_dir, model, force=False)                      # the same weights (re-exported): resume
+    (model / "model.safetensors").write_bytes(b"a" * 9_999 + b"b")
+    with pytest.raises(ConfigError, match=r"holds samples of another RL model than .* rerun with --force"):
+        claim_eval_dir(run_dir, model, force=False)
+    claim_eval_dir(run_dir, model, force=True)
+    assert not (run_dir / "samples").exists() and (run_dir / "pipeline_model.json").is_file()
