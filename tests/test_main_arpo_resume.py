@@ -28,7 +28,10 @@ def test_sigkill_mid_training_resumes_from_the_last_checkpoint(sft_model_dir, tm
                 f"trainer.output_dir={out}", "trainer.logger=[console,jsonl]", "trainer.total_training_steps=2",
                 "trainer.save_freq=1", "trainer.test_freq=2", "trainer.val_before_train=false",
                 "data.val_max_samples=8", "trainer.critic_warmup=2",
-                "actor_rollout_ref.rollout.mode=agent_loop")
+                "actor_rollout_ref.rollout.mode=agent_loop",
+                # rewards scored in the driver: each of the two runs would otherwise start a pool of 4 spawned
+                # processes for 16 rows a step (its start-up was the step's `timing_s/reward`, 14 s of ~31-50 s)
+                "reward.num_workers=1")
     proc = subprocess.Popen(args, cwd=REPO_ROOT, env=run_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     ckpt1 = out / "checkpoints" / "global_step_1"
