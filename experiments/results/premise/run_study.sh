@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The premise study: token entropy around tool results, SmolLM2-135M-Instruct and the committed SmolLM2 rollouts.
-#   MODEL=<HF dir of SmolLM2-135M-Instruct> bash experiments/results/premise/run_study.sh
+#   MODEL=<HF dir of SmolLM2-135M-Instruct> [SFT=<make run's models/smollm2-sft>] [RL=<make run's rl/ folder>] \
+#       bash experiments/results/premise/run_study.sh
 # MODEL: `python -m arpo.models.pretrained base_model.source=smollm2-135m-instruct` converts it (a few minutes).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
@@ -27,4 +28,22 @@ $PY experiments/results/premise/make_demonstrations.py --data "$WORK/data" --spl
     --out "$WORK/demos_val_verbose.jsonl"
 $PY -m arpo.entropy_probe --model "$MODEL" --trajectories "$WORK/demos_val_verbose.jsonl" --out "$OUT" \
     --name smollm2_zeroshot_demos_verbose --dtype fp32
+# (d) after make run's SFT, and (e) after its 8 ARPO steps: the same demonstrations teacher-forced, and (e) the RL
+# model on its own last training step's rollouts (dumps keep their token ids)
+if [[ -n ${SFT:-} ]]; then
+  $PY -m arpo.entropy_probe --model "$SFT" --trajectories "$WORK/demos_val.jsonl" --out "$OUT" \
+      --name smollm2_sft_demos --dtype fp32
+  $PY -m arpo.entropy_probe --model "$SFT" --trajectories "$WORK/demos_val_verbose.jsonl" --out "$OUT" \
+      --name smollm2_sft_demos_verbose --dtype fp32
+fi
+if [[ -n ${RL:-} ]]; then
+  RL_MODEL="$RL/hf_model"          # the run's exported final model
+  $PY -m arpo.entropy_probe --model "$RL_MODEL" --trajectories "$WORK/demos_val.jsonl" --out "$OUT" \
+      --name smollm2_rl_demos --dtype fp32
+  last=$(ls "$RL"/rollouts/step_*.jsonl | sort -V | tail -1)
+  $PY -m arpo.entropy_probe --model "$RL_MODEL" --trajectories "$last" --out "$OUT" --name smollm2_rl_own_rollouts \
+      --dtype fp32
+  [[ -n ${SFT:-} ]] && $PY -m arpo.entropy_probe --model "$SFT" --trajectories "$last" --out "$OUT" \
+      --name smollm2_sft_on_rl_rollouts --dtype fp32
+fi
 $PY experiments/results/premise/table.py "$OUT" > "$OUT/table.md"
