@@ -34,7 +34,8 @@ from omegaconf import OmegaConf
 
 from arpo.config import ConfigError, config_dir, load_config
 from arpo.machine import describe_machine
-from arpo.pipeline_stages import RL_DATA, check_rl_files, check_sft_file, has_checkpoint, override_key
+from arpo.pipeline_stages import (RL_DATA, check_rl_files, check_sft_file, has_checkpoint, override_key,
+                                  override_value)
 
 logger = logging.getLogger(__name__)
 
@@ -143,17 +144,17 @@ class Pipeline:
                 raise ConfigError(f"{stray[0]!r}: preset {preset.name} has no evaluation stage; use a preset with an "
                                   f"eval list (paper_qwen2.5_7b) or run python -m arpo.eval on the RL model")
         # base_model.source=... on the command line swaps the preset's base model (the last one wins).
-        sources = [o.split("=", 1)[1] for o in self.overrides if o.startswith("base_model.source=")]
-        self.preset = replace(preset, base_model=sources[-1]) if sources else preset
+        source = override_value(self.overrides, "base_model.source")
+        self.preset = replace(preset, base_model=source) if source is not None else preset
         self.root = Path(root)
         self.paths = stage_paths(self.root, self.preset)
         # sft.out_dir=DIR: the cold-start checkpoint's folder; one that holds a checkpoint already (a cold start
         # made elsewhere) is used as it is and the base-model and SFT stages are skipped
-        sft_dirs = [o.split("=", 1)[1] for o in self.overrides if override_key(o) == "sft.out_dir"]
-        if sft_dirs:
-            self.paths["sft_model"] = Path(sft_dirs[-1]).expanduser()
+        sft_dir = override_value(self.overrides, "sft.out_dir")
+        if sft_dir is not None:
+            self.paths["sft_model"] = Path(sft_dir).expanduser()
         #: a checkpoint given by sft.out_dir is never retrained over, not even with --force
-        self.given_sft = bool(sft_dirs) and has_checkpoint(self.paths["sft_model"])
+        self.given_sft = sft_dir is not None and has_checkpoint(self.paths["sft_model"])
         self.force = force
         self.timings: dict[str, float] = {}
 
@@ -177,7 +178,7 @@ class Pipeline:
                "arpo_trainer": [f"actor_rollout_ref.model.path={p['sft_model']}", f"trainer.output_dir={p['rl']}"]}
         data = [f"synthetic.out_dir={p['data']}"] if stage != "base_model" else []
         source = [f"base_model.source={self.preset.base_model}"] if stage == "base_model" else []
-        rest = [o for o in overrides_for_stage(stage, self.overrides) if not o.startswith("base_model.source=")]
+        rest = [o for o in overrides_for_stage(stage, self.overrides) if override_key(o) != "base_model.source"]
         return data + source + own[stage] + rest
 
     def _eval_overrides(self) -> list[str]:

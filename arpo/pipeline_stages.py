@@ -33,6 +33,12 @@ def override_key(override: str) -> str:
     return override.lstrip("+~").split("=", 1)[0]
 
 
+def override_value(overrides: Sequence[str], key: str) -> str | None:
+    """The value the overrides give ``key`` (the last one wins, as in Hydra); None when none sets it."""
+    values = [o.split("=", 1)[1] for o in overrides if override_key(o) == key]
+    return values[-1] if values else None
+
+
 def has_key(cfg: Any, dotted: str) -> bool:
     """Whether ``cfg`` holds ``dotted`` (list items by index), without resolving any interpolation."""
     node = cfg
@@ -83,13 +89,13 @@ def check_rl_files(cfg: DictConfig) -> list[Path]:
 
 def check_sft_file(overrides: Sequence[str]) -> None:
     """A ``rl_data: files`` preset has no synthetic demonstrations: its SFT stage needs a trajectory file."""
-    files = [o.split("=", 1)[1] for o in overrides if override_key(o) == "sft.train_file"]
-    if not files:
+    train_file = override_value(overrides, "sft.train_file")
+    if train_file is None:
         raise ConfigError("sft.train_file is not set: this preset's cold start trains on recorded trajectories; give "
                           "sft.train_file=PATH (ShareGPT or messages .json/.jsonl/.parquet, e.g. ARPO-SFT-54K) or "
                           "sft.out_dir=DIR holding a cold-start checkpoint made elsewhere")
-    if not Path(files[-1]).expanduser().is_file():
-        raise ConfigError(f"sft.train_file={files[-1]}: no such file; give the SFT trajectory file's path")
+    if not Path(train_file).expanduser().is_file():
+        raise ConfigError(f"sft.train_file={train_file}: no such file; give the SFT trajectory file's path")
 
 
 def is_hub_id(source: str) -> bool:
