@@ -7,6 +7,8 @@ is exactly ``make run`` under that setting) and every other seed's cell reuses i
 folders link to the first cell's). Seed K sets ``trainer.seed=K`` (rollout and validation sampling) and
 ``data.seed=K+1`` (prompt order; seed 0 keeps the preset's order). Cells run one at a time, each in a fresh
 process; a finished cell (its ``summary.json`` holds a gain) is not run again, so a killed sweep resumes.
+``--sft-of NAME=OTHER`` makes setting NAME reuse OTHER's SFT model in every seed (an RL-only change such as LoRA,
+compared with OTHER on the same cold start); OTHER's first seed must have trained it.
 
 Writes under ``--results``: ``matrix.csv`` (seed, setting, before, after, gain, ci_low, ci_high, per cell),
 ``per_kind.csv`` (the same per question kind, from the validation records and the validation parquet's
@@ -16,6 +18,8 @@ Writes under ``--results``: ``matrix.csv`` (seed, setting, before, after, gain, 
     python experiments/make_run_matrix.py --out outputs/matrix --seeds 0 1 2 \\
         --settings default= mkl_compatible=MKL_CBWR=COMPATIBLE aten_default=ATEN_CPU_CAPABILITY=default
     python experiments/make_run_matrix.py --out outputs/matrix --collect-only    # tables from finished cells
+    python experiments/make_run_matrix.py --out outputs/matrix --seeds 0 --sft-of lora=default --settings default= \
+        lora=actor_rollout_ref.model.lora_rank=16,actor_rollout_ref.model.lora_alpha=32,actor_rollout_ref.actor.optim.lr=1e-4
 """
 
 from __future__ import annotations
@@ -87,6 +91,20 @@ def link_sft(cell: Path, first: Path) -> None:
             raise SystemExit(f"{first}: no {name}/ (the setting's first seed must finish its SFT first)")
         if not link.exists():
             link.symlink_to(target, target_is_directory=True)
+
+
+def sft_sources(pairs: list[str], names: set[str]) -> dict[str, str]:
+    """``--sft-of NAME=OTHER`` pairs as {NAME: OTHER}; both must be settings of this sweep, OTHER trains its own."""
+    out = {}
+    for pair in pairs:
+        name, eq, other = pair.partition("=")
+        if not eq or name not in names or other not in names or name == other:
+            raise SystemExit(f"--sft-of {pair!r}: give NAME=OTHER, two different settings of --settings "
+                             f"({', '.join(sorted(names))})")
+        out[name] = other
+    if set(out) & set(out.values()):
+        raise SystemExit(f"--sft-of {' '.join(pairs)}: a setting that reuses another's SFT cannot lend its own")
+    return out
 
 
 def cell_command(args: argparse.Namespace, setting: Setting, seed: int, cell: Path) -> list[str]:
@@ -217,19 +235,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--settings", nargs="+", default=["default="],
                    help="name=KEY=VALUE,... (KEY with a dot: config override; else environment variable)")
+    p.add_argument("--sft-of", nargs="+", default=[], metavar="NAME=OTHER",
+                   help="setting NAME trains no SFT: every seed reuses setting OTHER's (OTHER's first seed's cell)")
     p.add_argument("--collect-only", action="store_true", help="only rebuild the tables from finished cells")
     args, args.overrides = p.parse_known_args(argv)
     settings = [Setting.parse(s) for s in args.settings]
     if len({s.name for s in settings}) != len(settings):
         p.error("--settings: names must differ")
+    sft_of = sft_sources(args.sft_of, {s.name for s in settings})
     if not args.collect_only:
         for setting in settings:
-            first = cell_dir(args.out, setting, args.seeds[0])
+            source = sft_of.get(setting.name)
+            first = cell_dir(args.out, Setting(source) if source else setting, args.seeds[0])
             for seed in args.seeds:
                 cell = cell_dir(args.out, setting, seed)
                 if finished(cell):
                     continue
-                if seed != args.seeds[0]:
+                if source or seed != args.seeds[0]:
                     link_sft(cell, first)
                 run_cell(args, setting, seed, cell)
     print(json.dumps(collect(args.out, args.results or args.out, settings, args.seeds), indent=2))

@@ -58,6 +58,30 @@ def test_seed_sets_sampling_and_prompt_order_and_later_seeds_link_the_first_sft(
     assert (later / "models" / "smollm2-sft").is_dir() and (later / "data").resolve() == (first / "data").resolve()
 
 
+def test_sft_of_shares_another_settings_sft_in_every_seed(tmp_path, monkeypatch):
+    assert mrm.sft_sources(["lora=default"], {"default", "lora"}) == {"lora": "default"}
+    for bad in (["lora=nothere"], ["lora"], ["lora=lora"]):
+        with pytest.raises(SystemExit, match="--sft-of"):
+            mrm.sft_sources(bad, {"default", "lora"})
+    with pytest.raises(SystemExit, match="cannot lend its own"):
+        mrm.sft_sources(["a=b", "b=c"], {"a", "b", "c"})
+    first = tmp_path / "default" / "seed0"
+    (first / "models" / "smollm2-sft").mkdir(parents=True)
+    (first / "data").mkdir()
+    fake_cell(first, [0] * 6, [1] * 6)  # default's cell is finished: not run again
+    ran = []
+    monkeypatch.setattr(mrm, "run_cell", lambda args, setting, seed, cell: ran.append((setting.name, seed, cell)))
+    mrm.main(["--out", str(tmp_path), "--seeds", "0", "1", "--settings", "default=",
+              "lora=actor_rollout_ref.model.lora_rank=16", "--sft-of", "lora=default", "--collect-only"])
+    assert ran == []
+    monkeypatch.setattr(mrm, "collect", lambda *a: {})
+    mrm.main(["--out", str(tmp_path), "--seeds", "0", "--settings", "default=",
+              "lora=actor_rollout_ref.model.lora_rank=16", "--sft-of", "lora=default"])
+    assert [(name, seed) for name, seed, _ in ran] == [("lora", 0)]
+    lora0 = tmp_path / "lora" / "seed0"
+    assert (lora0 / "models").resolve() == (first / "models").resolve()
+
+
 def test_collect_writes_the_matrix_per_kind_gains_and_the_summary(tmp_path):
     settings = [mrm.Setting("default"), mrm.Setting("mkl", {"MKL_CBWR": "COMPATIBLE"})]
     fake_cell(mrm.cell_dir(tmp_path, settings[0], 0), [0, 0, 1, 1, 0, 1], [1, 1, 1, 0, 1, 1])
