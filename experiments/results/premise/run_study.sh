@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The premise study: token entropy around tool results, SmolLM2-135M-Instruct and the committed SmolLM2 rollouts.
 #   MODEL=<HF dir of SmolLM2-135M-Instruct> [SFT=<make run's models/smollm2-sft>] [RL=<make run's rl/ folder>] \
-#       bash experiments/results/premise/run_study.sh
+#       [EVAL=<an arpo.eval run's samples/ folder>] bash experiments/results/premise/run_study.sh
 # MODEL: `python -m arpo.models.pretrained base_model.source=smollm2-135m-instruct` converts it (a few minutes).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
@@ -45,5 +45,15 @@ if [[ -n ${RL:-} ]]; then
       --dtype fp32
   [[ -n ${SFT:-} ]] && $PY -m arpo.entropy_probe --model "$SFT" --trajectories "$last" --out "$OUT" \
       --name smollm2_sft_on_rl_rollouts --dtype fp32
+fi
+# (f) trajectories on released benchmarks (an arpo.eval run's samples, e.g. the SFT model on bamboogle + gsm8k),
+# scored by every model given: zero-shot, after SFT, after RL
+if [[ -n ${EVAL:-} ]]; then
+  $PY -m arpo.entropy_probe --model "$MODEL" --trajectories "$EVAL"/*.jsonl --out "$OUT" \
+      --name smollm2_zeroshot_released_bamboogle_gsm8k --dtype fp32
+  [[ -n ${SFT:-} ]] && $PY -m arpo.entropy_probe --model "$SFT" --trajectories "$EVAL"/*.jsonl --out "$OUT" \
+      --name smollm2_sft_released_bamboogle_gsm8k --dtype fp32
+  [[ -n ${RL:-} ]] && $PY -m arpo.entropy_probe --model "$RL/hf_model" --trajectories "$EVAL"/*.jsonl --out "$OUT" \
+      --name smollm2_rl_released_bamboogle_gsm8k --dtype fp32
 fi
 $PY experiments/results/premise/table.py "$OUT" > "$OUT/table.md"
