@@ -141,6 +141,21 @@ def _node_id(worker: Any) -> str:
     return ray.get_runtime_context().get_node_id()
 
 
+def worker_class(role: str) -> type:
+    """The worker class that runs ``role``: actor and ref ranks, the critic's, or SFT's (:mod:`arpo.trainer.sft_step`)."""
+    if role == "critic":
+        from arpo.trainer.critic_worker import CriticWorker
+
+        return CriticWorker
+    if role == "sft":
+        from arpo.trainer.sft_step import SFTWorker
+
+        return SFTWorker
+    from arpo.trainer.fsdp_worker import ActorWorker
+
+    return ActorWorker
+
+
 def _tensors_only(batch: DataBatch) -> DataBatch:
     """The workers read tensors only; leaving the object columns behind keeps the Ray transfers small."""
     return DataBatch(dict(batch.tensors), {}, dict(batch.meta))
@@ -222,6 +237,19 @@ class WorkerGroup:
             s.meta["mini_batch_rows_per_rank"] = per_rank
         return self.execute_split("update_critic", shares)[0]
 
+    def sft_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+                 shared_prefix: int = 0) -> dict[str, float]:
+        """One SFT optimizer step on a global batch (:meth:`SFTWorker.sft_step`): rank r gets the r-th of
+        ``world_size`` contiguous equal shares of the rows (the batch size must be a multiple of the ranks)."""
+        rows = input_ids.shape[0]
+        if rows % self.world_size:
+            raise ValueError(f"an SFT batch of {rows} rows does not split over {self.world_size} ranks")
+        per = rows // self.world_size
+        shares = [{"input_ids": input_ids[r * per: (r + 1) * per], "attention_mask": attention_mask[r * per: (r + 1) * per],
+                   "labels": labels[r * per: (r + 1) * per]} for r in range(self.world_size)]
+        global_tokens = int((labels[:, 1:] != -100).sum())
+        return self.execute_split("sft_step", shares, shared_prefix, global_tokens)[0]
+
     def export_hf(self, out_dir: str) -> str:
         return self.execute_all("export_hf", out_dir)[0]
 
@@ -257,8 +285,6 @@ class RayWorkerGroup(WorkerGroup):
         import ray
 
         from arpo.ray_utils import init_ray, node_strategy, rank_nodes
-        from arpo.trainer.critic_worker import CriticWorker
-        from arpo.trainer.fsdp_worker import ActorWorker
 
         self.config = to_plain(config)
         self.cfg = WorkerConfig.from_config(self.config, role)
@@ -272,7 +298,7 @@ class RayWorkerGroup(WorkerGroup):
         # Ray gives each actor OMP_NUM_THREADS = its num_cpus and the driver's sys.path (so `arpo` imports).
         # glibc reads its tunables at process start: huge pages for the ranks' large blocks (memory.py).
         env = {**(ray.get_runtime_context().runtime_env.get("env_vars") or {}), **allocator_env()}
-        remote_cls = ray.remote(CriticWorker if role == "critic" else ActorWorker)
+        remote_cls = ray.remote(worker_class(role))
         nnodes = self.cfg.nnodes
         nodes = (rank_nodes(nnodes, self.world_size // nnodes, num_cpus, num_gpus)
                  if world_size is None and placement is None else None)
@@ -339,16 +365,13 @@ class LocalWorkerGroup(WorkerGroup):
     transformers, a notebook, a debugger. The batch goes through the same split and gather as on N ranks."""
 
     def __init__(self, config: Any, role: str = "actor"):
-        from arpo.trainer.critic_worker import CriticWorker
-        from arpo.trainer.fsdp_worker import ActorWorker
-
         self.config = to_plain(config)
         self.cfg = WorkerConfig.from_config(self.config, role)
         if config_world_size(self.config) != 1:
             raise ValueError(f"LocalWorkerGroup runs one rank, but trainer.nnodes x trainer.n_gpus_per_node = "
                              f"{config_world_size(self.config)}; set both to 1 or use RayWorkerGroup")
         self.role, self.world_size = role, 1
-        self.worker = (CriticWorker if role == "critic" else ActorWorker)(self.config, role, 0, 1)
+        self.worker = worker_class(role)(self.config, role, 0, 1)
         self.init_info = [self.worker.init_model(*self.worker.rendezvous_address())]
         logger.info("%s worker group: 1 rank in this process, %s", role, self.init_info[0])
 
