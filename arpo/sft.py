@@ -15,9 +15,18 @@ The first epoch trains on the demonstrations as the tools produce them (``sft.st
 overlap training instead of preceding it.
 
 The demonstrations are one source: ``sft.train_file`` may instead hold recorded trajectories (OpenAI ``messages`` or
-ShareGPT ``conversations``), which :mod:`arpo.data.sft_dataset` lays out the same way and this loop trains on alike.
+ShareGPT ``conversations``), which :mod:`arpo.data.sft_dataset` lays out the same way and SFT trains on alike.
 
-Run: ``python -m arpo.sft [sft.epochs=...] [sft.train_file=...] [actor_rollout_ref.model.path=...]``.
+Training runs on the RL trainer's FSDP2 workers (:mod:`arpo.trainer.sft_step`): this driver builds the examples and
+the seeded batch order (:mod:`arpo.data.sft_batches`) and hands each global batch to ``sft.num_ranks`` ranks (1: in
+this process; more: Ray actors), which take the optimizer step together; the loss is normalised by the whole
+batch's trained tokens, so any number of ranks takes the same steps. Checkpoints are the RL trainer's
+(``sft.default_local_dir``, every ``sft.save_freq`` steps and at the end) and a killed run resumes from the newest
+(``sft.resume_mode: auto``) to the weights of an uninterrupted one. The model is exported to ``sft.out_dir``
+(``save_pretrained`` layout, tokenizer, ``sft_summary.json``).
+
+Run: ``python -m arpo.sft [sft.epochs=...] [sft.train_file=...] [sft.num_ranks=...]
+[actor_rollout_ref.model.path=...]``.
 """
 
 from __future__ import annotations
@@ -26,7 +35,6 @@ import copy
 import json
 import logging
 import os
-import math
 import random
 import time
 from dataclasses import dataclass
@@ -38,6 +46,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
+from arpo.data.sft_batches import shuffled_batches, streamed_batches
 from arpo.protocol import DEFAULT_PROTOCOL, format_tool_result
 from arpo.trainer.sft_step import masked_lm_loss  # noqa: F401  (re-exported: the loss SFT trains)
 from tools.base import BaseTool
@@ -202,160 +211,6 @@ class DemonstrationStream:
         return self.examples
 
 
-def _collate(chunk: Sequence[tuple[list[int], list[int]]], pad_id: int, share_prefix: bool):
-    """Right-padded (input_ids, attention_mask, labels, shared prefix length) for one batch."""
-    length = max(len(ids) for ids, _ in chunk)
-    input_ids = torch.full((len(chunk), length), pad_id, dtype=torch.long)
-    labels = torch.full((len(chunk), length), -100, dtype=torch.long)
-    attn = torch.zeros((len(chunk), length), dtype=torch.long)
-    for i, (ids, mask) in enumerate(chunk):
-        t = torch.tensor(ids)
-        input_ids[i, : len(ids)] = t
-        attn[i, : len(ids)] = 1
-        lab = t.clone()
-        lab[torch.tensor(mask) == 0] = -100
-        labels[i, : len(ids)] = lab
-    return input_ids, attn, labels, shared_prompt_prefix(chunk) if share_prefix else 0
-
-
-def _window_chunks(part: list, batch_size: int) -> list:
-    """Batches of similar length from one window of examples (a trailing partial batch is dropped)."""
-    part = sorted(part, key=lambda ex: len(ex[0]))
-    return [part[b: b + batch_size] for b in range(0, len(part) - batch_size + 1, batch_size)]
-
-
-def _batches(examples: list, batch_size: int, rng: np.random.Generator, pad_id: int, share_prefix: bool = False):
-    """Shuffled batches of similar length (less padding): shuffle, sort within windows of 16 batches, then
-    shuffle the batch order."""
-    order = rng.permutation(len(examples))
-    window = batch_size * 16
-    chunks = []
-    for w in range(0, len(order), window):
-        chunks += _window_chunks([examples[i] for i in order[w: w + window]], batch_size)
-    for c in rng.permutation(len(chunks)):
-        yield _collate(chunks[c], pad_id, share_prefix)
-
-
-def _stream_batches(stream: Iterable, batch_size: int, rng: np.random.Generator, pad_id: int,
-                    share_prefix: bool = False):
-    """First-epoch batches straight from the demonstration stream: examples in arrival (row) order, sorted by
-    length and shuffled within windows of 16 batches as each window fills."""
-    window = batch_size * 16
-    buf: list = []
-    for ex in stream:
-        buf.append(ex)
-        if len(buf) == window:
-            chunks, buf = _window_chunks(buf, batch_size), []
-            for c in rng.permutation(len(chunks)):
-                yield _collate(chunks[c], pad_id, share_prefix)
-    chunks = _window_chunks(buf, batch_size)
-    for c in rng.permutation(len(chunks)):
-        yield _collate(chunks[c], pad_id, share_prefix)
-
-
-def shared_prompt_prefix(examples: Sequence[tuple[list[int], list[int]]]) -> int:
-    """Length of the token prefix common to every example and untrained in all of them (the system prompt),
-    less one so that the position predicting the first differing token stays in the per-row part."""
-    first = examples[0][0]
-    n = len(first)
-    for ids, mask in examples:
-        limit = min(n, len(ids))
-        i = 0
-        while i < limit and ids[i] == first[i]:
-            i += 1
-        n = min(i, mask.index(1) if 1 in mask else len(mask))
-    return max(0, n - 1)
-
-
-def train_sft_single_process(model, examples: list | DemonstrationStream, *, epochs: int, batch_size: int, lr: float,
-              warmup_ratio: float, weight_decay: float, grad_clip: float, seed: int, pad_id: int,
-              max_minutes: float | None = None, max_steps: int = 0, share_prompt_prefix: bool = True,
-              num_examples: int | None = None, dtype: str = "float32") -> dict[str, Any]:
-    """Full fine-tune with AdamW + warm-up/cosine schedule over ``min(epochs, max_steps)``. Returns summary stats,
-    the loss of every step included.
-
-    ``max_minutes``: an opt-in wall-clock stop (None: off). It makes the result depend on the machine's speed, so
-    when it triggers the summary says so (``stopped_early``, ``stop_reason``) and the caller reports it.
-
-    ``examples``: a list, or a :class:`DemonstrationStream` whose first epoch trains on the demonstrations as they
-    arrive (``num_examples``, the rows it will yield at most, plans the schedule); later epochs shuffle them all.
-    The common prompt prefix is run once per batch (``share_prompt_prefix``). ``dtype`` bfloat16: CPU autocast
-    with fp32 master weights (as the RL trainer, :mod:`arpo.trainer.device`); fast: bfloat16 only where the
-    CPU computes it natively."""
-    from arpo.trainer.device import device_settings
-
-    compute = device_settings("cpu", dtype)
-    streaming = isinstance(examples, DemonstrationStream)
-    n_examples = (num_examples or 0) if streaming else len(examples)
-    rng = np.random.default_rng(seed)
-    torch.manual_seed(seed)
-    steps_per_epoch = n_examples // batch_size
-    total = max(1, steps_per_epoch * epochs)
-    if max_steps:
-        total = min(total, max_steps)
-    warmup = max(1, int(total * warmup_ratio))
-    # fused: one kernel for all parameters (CPU and GPU); the per-parameter loop costs ~5% of a tiny-model step
-    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), fused=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        optim, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total))))
-    logger.info("sft: %d examples%s, %d steps, computing in %s (sft.dtype=%s)", n_examples,
-                " (streamed while built)" if streaming else "", total, str(compute.compute_dtype).removeprefix("torch."),
-                dtype)
-    model.train()
-    start, step, losses, prefixes = time.time(), 0, [], []
-    bar = tqdm(total=total, desc="sft", unit="step")
-    stopped_early = False
-    epoch = 0
-    while step < total and not stopped_early:
-        if streaming and epoch == 0:
-            batches = _stream_batches(examples, batch_size, rng, pad_id, share_prompt_prefix)
-        else:
-            batches = _batches(examples.examples if streaming else examples, batch_size, rng, pad_id,
-                               share_prompt_prefix)
-        epoch_steps = 0
-        for input_ids, attn, labels, prefix in batches:
-            with compute.autocast_context():
-                loss = masked_lm_loss(model, input_ids, attn, labels, prefix)
-            optim.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-            optim.step()
-            sched.step()
-            step += 1
-            epoch_steps += 1
-            losses.append(loss.item())
-            prefixes.append(prefix)
-            bar.update(1)
-            bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}", lr=f"{sched.get_last_lr()[0]:.2e}")
-            if step % 100 == 0:
-                logger.info("sft step %d/%d loss %.3f lr %.2e %.3f s/step", step, total, np.mean(losses[-20:]),
-                            sched.get_last_lr()[0], (time.time() - start) / step)
-            if step >= total:
-                break
-            if max_minutes is not None and (time.time() - start) / 60 > max_minutes:
-                stopped_early = True
-                logger.warning("sft stopped at its time limit (sft.max_minutes=%s) after %d/%d steps; the model "
-                               "depends on this machine's speed", max_minutes, step, total)
-                break
-        if hasattr(batches, "close"):
-            batches.close()  # a stream left early stops its tool calls
-        if epoch_steps == 0:
-            if epoch == 0:
-                raise ValueError("no SFT batch: fewer demonstrations fit sft.max_length than sft.batch_size; raise it")
-            break
-        epoch += 1
-    bar.close()
-    model.eval()
-    return {"steps": step, "planned_steps": total, "epochs": round(step / max(1, steps_per_epoch), 2),
-            "final_loss": float(np.mean(losses[-20:])) if losses else float("nan"),
-            "seconds": time.time() - start, "stopped_early": stopped_early,
-            "stop_reason": (f"sft.max_minutes={max_minutes:g} (wall clock) after {step} of {total} steps"
-                            if stopped_early else None),
-            "mean_shared_prefix": float(np.mean(prefixes)) if prefixes else 0.0,
-            "compute_dtype": str(compute.compute_dtype).removeprefix("torch."),
-            "losses": [round(x, 6) for x in losses]}
-
-
 def plan_steps(n_examples: int, batch_size: int, epochs: int, max_steps: int = 0) -> tuple[int, int]:
     """(steps per epoch, planned steps): ``min(epochs, max_steps)`` of full batches; the schedule spans them."""
     steps_per_epoch = n_examples // batch_size
@@ -438,12 +293,12 @@ def train_sft(group, examples: list | DemonstrationStream, *, epochs: int, batch
     while step < total and not stopped_early:
         epoch_rng = copy.deepcopy(rng.bit_generator.state)
         if streaming and epoch == 0:
-            batches = _stream_batches(examples, batch_size, rng, pad_id, share_prompt_prefix)
+            batches = streamed_batches(examples, batch_size, rng, pad_id, share_prompt_prefix)
         else:
             if streaming and not examples.done:
                 examples.collect()  # resumed after the streamed epoch: build the demonstrations first
-            batches = _batches(examples.examples if streaming else examples, batch_size, rng, pad_id,
-                               share_prompt_prefix)
+            batches = shuffled_batches(examples.examples if streaming else examples, batch_size, rng, pad_id,
+                                       share_prompt_prefix)
         epoch_steps = 0
         for input_ids, attn, labels, prefix in batches:
             epoch_steps += 1
@@ -489,23 +344,21 @@ def train_sft(group, examples: list | DemonstrationStream, *, epochs: int, batch
             "losses": [round(x, 6) for x in losses]}
 
 
-def worker_config(cfg, model_path: Path | str, total_steps: int) -> dict:
-    """The root config the SFT ranks read (:class:`~arpo.trainer.worker_config.WorkerConfig`, ``sft.*``): the
-    model, ``sft.device`` / ``sft.dtype`` / ``sft.num_ranks`` under the trainer's keys, the planned steps."""
-    from arpo.trainer.actor_config import to_plain
-
-    s = cfg.sft
-    ranks, threads = int(s.num_ranks), max(1, int(s.num_threads))
-    return {"actor_rollout_ref": {
-                "model": {"path": str(model_path), "dtype": s.dtype,
-                          "custom_chat_template": to_plain(cfg).get("actor_rollout_ref", {}).get("model", {}).get(
-                              "custom_chat_template"),
-                          # the step runs one forward per batch, as the single-process SFT did
-                          "enable_gradient_checkpointing": False, "tree_packing": False, "share_prefix": False},
-                "actor": {"checkpoint": {"save_contents": ["model", "optimizer", "extra"]}}},
-            "trainer": {"device": s.device, "nnodes": 1, "n_gpus_per_node": ranks, "cpus_per_worker": threads,
-                        "total_training_steps": total_steps, "seed": int(s.seed)},
-            "sft": {k: float(s[k]) for k in ("lr", "weight_decay", "warmup_ratio", "grad_clip")},
+def worker_config(s: Mapping[str, Any], model_path: Path | str, total_steps: int,
+                  chat_template: Any = None) -> dict:
+    """The root config the SFT ranks read (:class:`~arpo.trainer.worker_config.WorkerConfig`, ``sft.*``) from the
+    ``sft`` section ``s``: the model, ``sft.device`` / ``sft.dtype`` / ``sft.num_ranks`` under the trainer's keys,
+    the planned steps; ``chat_template`` (``actor_rollout_ref.model.custom_chat_template``) goes with the export."""
+    ranks, threads = int(s["num_ranks"]), max(1, int(s["num_threads"]))
+    # one forward per batch, as the single-process SFT ran: no gradient checkpointing, no tree packing
+    model = {"path": str(model_path), "dtype": s["dtype"], "custom_chat_template": chat_template,
+             "enable_gradient_checkpointing": False, "tree_packing": False, "share_prefix": False}
+    return {"actor_rollout_ref": {"model": model,
+                                  "actor": {"checkpoint": {"save_contents": ["model", "optimizer", "extra"]}}},
+            "trainer": {"device": s["device"], "nnodes": 1, "n_gpus_per_node": ranks, "cpus_per_worker": threads,
+                        "total_training_steps": int(total_steps), "seed": int(s["seed"])},
+            "sft": {**{k: float(s[k]) for k in ("lr", "weight_decay", "warmup_ratio", "grad_clip")},
+                    "micro_batch_size_per_gpu": s.get("micro_batch_size_per_gpu")},
             "ray_init": {"num_cpus": max(os.cpu_count() or 1, ranks * threads)}}
 
 
@@ -523,6 +376,10 @@ def validate_sft_config(s) -> None:
     if s.batch_size % s.num_ranks:
         raise ConfigError(f"sft.batch_size={s.batch_size} does not split over sft.num_ranks={s.num_ranks}; make it "
                           f"a multiple")
+    micro = s.micro_batch_size_per_gpu
+    if micro is not None and (not isinstance(micro, int) or isinstance(micro, bool) or micro < 1):
+        raise ConfigError(f"sft.micro_batch_size_per_gpu={micro!r} is not valid; use null (a rank's whole share of "
+                          f"the batch in one forward) or rows >= 1")
     if not isinstance(s.save_freq, int) or isinstance(s.save_freq, bool) or s.save_freq < 0:
         raise ConfigError(f"sft.save_freq={s.save_freq!r} is not valid; use 0 (only at the end) or steps > 0")
     if s.resume_mode not in ("auto", "disable"):
@@ -582,7 +439,7 @@ def run_sft(cfg) -> Path:
                 raise ValueError(f"no SFT example fits sft.max_length={s.max_length}; raise it")
         n_examples = n_rows if s.stream_demos else len(examples)
         _, total = plan_steps(n_examples, s.batch_size, s.epochs, s.max_steps)
-        wcfg = worker_config(cfg, model_path, total)
+        wcfg = worker_config(s, model_path, total, cfg.actor_rollout_ref.model.get("custom_chat_template"))
         group = LocalWorkerGroup(wcfg, role="sft") if s.num_ranks == 1 else RayWorkerGroup(wcfg, role="sft")
         checkpointing = Checkpointing(manager, s.save_freq, manager.resolve_resume(s.resume_mode))
         summary = train_sft(group, examples, epochs=s.epochs, batch_size=s.batch_size, seed=s.seed,

@@ -92,8 +92,10 @@ def child(work: Path, name: str, threads: int, dtype: str, steps: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from arpo.sft import _batches, masked_lm_loss, train_sft
+    from arpo.data.sft_batches import shuffled_batches
+    from arpo.sft import masked_lm_loss, plan_steps, train_sft, worker_config
     from arpo.trainer.device import device_settings
+    from arpo.trainer.worker_group import LocalWorkerGroup
 
     plan = json.loads((work / "plan.json").read_text())
     s = plan["sft"]
@@ -116,7 +118,7 @@ def child(work: Path, name: str, threads: int, dtype: str, steps: int) -> None:
 
     handles = [m.register_forward_hook(lambda mod, a, o, key=n: hook(mod, a, o, key)) for n, m in
                model.named_modules() if n]
-    input_ids, attn, labels, prefix = next(_batches(examples, s["batch_size"], np.random.default_rng(s["seed"]),
+    input_ids, attn, labels, prefix = next(shuffled_batches(examples, s["batch_size"], np.random.default_rng(s["seed"]),
                                                     pad_id, s["share_prompt_prefix"]))
     with device_settings("cpu", dtype).autocast_context():
         loss = masked_lm_loss(model, input_ids, attn, labels, prefix)
@@ -126,13 +128,17 @@ def child(work: Path, name: str, threads: int, dtype: str, steps: int) -> None:
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     torch.save({"outputs": outputs, "loss": loss.detach(), "grads": grads}, work / f"probe_{name}.pt")
 
-    model = load()
+    torch.manual_seed(s["seed"])
+    total = plan_steps(len(examples), s["batch_size"], s["epochs"], steps)[1]
+    group = LocalWorkerGroup(worker_config({**s, "dtype": dtype, "num_ranks": 1, "num_threads": threads,
+                                            "device": "cpu"}, plan["base_model"], total), role="sft")
     start = time.perf_counter()
-    summary = train_sft(model, examples, epochs=s["epochs"], batch_size=s["batch_size"], lr=s["lr"],
-                        warmup_ratio=s["warmup_ratio"], weight_decay=s["weight_decay"], grad_clip=s["grad_clip"],
-                        seed=s["seed"], pad_id=pad_id, max_steps=steps, share_prompt_prefix=s["share_prompt_prefix"],
-                        dtype=dtype)
-    torch.save(model.state_dict(), work / f"final_{name}.pt")
+    try:
+        summary = train_sft(group, examples, epochs=s["epochs"], batch_size=s["batch_size"], seed=s["seed"],
+                            pad_id=pad_id, max_steps=steps, share_prompt_prefix=s["share_prompt_prefix"])
+        torch.save(group.full_parameters(), work / f"final_{name}.pt")
+    finally:
+        group.shutdown()
     from arpo.machine import machine_info
 
     (work / f"run_{name}.json").write_text(json.dumps({

@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 # What shapes each model: a change to any of these files gives a new cache entry.
 SFT_SOURCES = ("arpo/data/synthetic.py", "arpo/data/synthetic_world.py", "arpo/data/synthetic_questions.py",
-               "arpo/models/tiny.py", "arpo/sft.py", "arpo/protocol.py", "configs/synthetic", "configs/tiny_model",
+               "arpo/models/tiny.py", "arpo/sft.py", "arpo/data/sft_batches.py", "arpo/trainer/sft_step.py",
+               "arpo/protocol.py", "configs/synthetic", "configs/tiny_model",
                "configs/sft.yaml", "configs/tools", "tools/search", "tools/python_sandbox")
 SMOLLM2_SOURCES = ("arpo/models/pretrained.py",)
 

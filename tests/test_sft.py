@@ -145,7 +145,8 @@ def test_shared_prompt_prefix_gives_the_same_loss_and_gradients():
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from arpo.sft import masked_lm_loss, shared_prompt_prefix
+    from arpo.data.sft_batches import shared_prompt_prefix
+    from arpo.sft import masked_lm_loss
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -175,11 +176,41 @@ def test_shared_prompt_prefix_gives_the_same_loss_and_gradients():
         assert torch.allclose(g, p.grad, atol=1e-6)
 
 
-def test_streamed_first_epoch_trains_on_every_demonstration_then_reuses_them():
+def sft_group(model_dir, total: int, **sft):
+    """One SFT rank in this process (:class:`~arpo.trainer.sft_step.SFTWorker`) on ``model_dir``, its schedule over
+    ``total`` steps; ``sft`` overrides the ``sft.*`` keys it reads. Shut it down after use."""
+    from arpo.sft import worker_config
+    from arpo.trainer.worker_group import LocalWorkerGroup
+
+    s = {"num_ranks": 1, "num_threads": 1, "dtype": "float32", "device": "cpu", "seed": 0, "lr": 1e-3,
+         "weight_decay": 0.0, "warmup_ratio": 0.1, "grad_clip": 1.0, **sft}
+    return LocalWorkerGroup(worker_config(s, model_dir, total), role="sft")
+
+
+def _saved(model, path: Path) -> Path:
+    model.save_pretrained(path)
+    return path
+
+
+def _train(model_dir, examples, *, epochs, batch_size, max_steps=0, num_examples=None, sft=None, **kwargs):
+    """``train_sft`` on one in-process rank of ``model_dir``; returns (summary, final parameters)."""
+    from arpo.sft import DemonstrationStream, plan_steps, train_sft
+
+    n = num_examples if isinstance(examples, DemonstrationStream) else len(examples)
+    group = sft_group(model_dir, plan_steps(n, batch_size, epochs, max_steps)[1], **(sft or {}))
+    try:
+        summary = train_sft(group, examples, epochs=epochs, batch_size=batch_size, seed=0, pad_id=0,
+                            max_steps=max_steps, num_examples=num_examples, **kwargs)
+        return summary, group.full_parameters()
+    finally:
+        group.shutdown()
+
+
+def test_streamed_first_epoch_trains_on_every_demonstration_then_reuses_them(tmp_path):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from arpo.sft import DemonstrationStream, train_sft
+    from arpo.sft import DemonstrationStream
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -198,8 +229,8 @@ def test_streamed_first_epoch_trains_on_every_demonstration_then_reuses_them():
             yield d
 
     stream = DemonstrationStream(produce(), max_length=40)
-    summary = train_sft(model, stream, epochs=2, batch_size=4, lr=1e-3, warmup_ratio=0.1, weight_decay=0.0,
-                        grad_clip=1.0, seed=0, max_minutes=5, pad_id=0, num_examples=len(demos))
+    summary, _ = _train(_saved(model, tmp_path / "m"), stream, epochs=2, batch_size=4, max_minutes=5,
+                        num_examples=len(demos))
     assert len(seen) == len(demos) and stream.done
     assert stream.modes == {"gold": 26, "skip": 0, "wrong_tool": 0, "too_long": 1}
     assert len(stream.examples) == 26
@@ -208,10 +239,10 @@ def test_streamed_first_epoch_trains_on_every_demonstration_then_reuses_them():
     assert summary["mean_shared_prefix"] >= len(system) - 1
 
 
-def test_stream_stops_pulling_demonstrations_when_max_steps_is_reached():
+def test_stream_stops_pulling_demonstrations_when_max_steps_is_reached(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from arpo.sft import DemonstrationStream, train_sft
+    from arpo.sft import DemonstrationStream
 
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2))
@@ -222,51 +253,49 @@ def test_stream_stops_pulling_demonstrations_when_max_steps_is_reached():
             pulled.append(i)
             yield ([1, 2, 3, 4 + i % 9, 5], [0, 0, 1, 1, 1]), "gold"
 
-    summary = train_sft(model, DemonstrationStream(produce(), max_length=40), epochs=1, batch_size=2, lr=1e-3,
-                        warmup_ratio=0.1, weight_decay=0.0, grad_clip=1.0, seed=0, max_minutes=5, pad_id=0,
-                        max_steps=3, num_examples=1000)
+    summary, _ = _train(_saved(model, tmp_path / "m"), DemonstrationStream(produce(), max_length=40), epochs=1,
+                        batch_size=2, max_minutes=5, max_steps=3, num_examples=1000)
     assert summary["steps"] == 3
     assert len(pulled) <= 2 * 16  # one window of 16 batches, not the whole stream
 
 
-def test_bfloat16_sft_keeps_fp32_weights_and_follows_the_fp32_run():
+def test_bfloat16_sft_keeps_fp32_weights_and_follows_the_fp32_run(tmp_path):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from arpo.sft import train_sft
+    torch.manual_seed(0)
+    model_dir = _saved(Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128,
+                                                    num_hidden_layers=2, num_attention_heads=4,
+                                                    num_key_value_heads=2)), tmp_path / "m")
+    examples = [([1, 2, 3] + [10 + (i + j) % 20 for j in range(8)], [0, 0, 0] + [1] * 8) for i in range(32)]
 
     def run(dtype: str):
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128,
-                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
-        examples = [([1, 2, 3] + [10 + (i + j) % 20 for j in range(8)], [0, 0, 0] + [1] * 8) for i in range(32)]
-        summary = train_sft(model, examples, epochs=8, batch_size=4, lr=3e-3, warmup_ratio=0.1, weight_decay=0.0,
-                            grad_clip=1.0, seed=0, max_minutes=5, pad_id=0, dtype=dtype)
-        return model, summary
+        return _train(model_dir, examples, epochs=8, batch_size=4, max_minutes=5,
+                      sft={"lr": 3e-3, "dtype": dtype})
 
-    fp32_model, fp32 = run("float32")
-    bf16_model, bf16 = run("bfloat16")
-    assert all(p.dtype == torch.float32 for p in bf16_model.parameters())  # master weights stay fp32
+    fp32, _ = run("float32")
+    bf16, bf16_params = run("bfloat16")
+    assert bf16["compute_dtype"] == "bfloat16" and fp32["compute_dtype"] == "float32"
+    assert all(p.dtype == torch.float32 for p in bf16_params.values())  # master weights stay fp32
     assert bf16["final_loss"] < 1.0  # it learned the sequences (log 64 = 4.2 at the start)
     assert abs(bf16["final_loss"] - fp32["final_loss"]) < 0.25
 
 
-def test_time_limit_is_off_by_default_and_reported_when_it_stops_the_run():
+def test_time_limit_is_off_by_default_and_reported_when_it_stops_the_run(tmp_path):
     from omegaconf import OmegaConf
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from arpo.config import config_dir
     from arpo.pipeline import final_summary
-    from arpo.sft import train_sft
 
     assert OmegaConf.load(config_dir() / "sft.yaml").sft.max_minutes is None
     examples = [([1, 2, 3] + [10 + (i + j) % 20 for j in range(6)], [0, 0, 0] + [1] * 6) for i in range(16)]
+    model_dir = _saved(Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                    num_hidden_layers=1, num_attention_heads=4,
+                                                    num_key_value_heads=2)), tmp_path / "m")
 
     def run(**limit):
-        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
-        return train_sft(model, examples, epochs=2, batch_size=4, lr=1e-3, warmup_ratio=0.1, weight_decay=0.0,
-                         grad_clip=1.0, seed=0, pad_id=0, **limit)
+        return _train(model_dir, examples, epochs=2, batch_size=4, **limit)[0]
 
     full = run()
     assert full["steps"] == full["planned_steps"] == 8 and not full["stopped_early"] and full["stop_reason"] is None

@@ -32,10 +32,25 @@ def _examples(cfg, model_dir, copies: int = 3):
     return [ex for ex, _ in iter_trajectory_examples(trajectories, tok)], tok.pad_token_id
 
 
+def reference_loss(model, input_ids, attention_mask, labels, shared_prefix=0):
+    """The single-process loss: the decoder (the prefix once, its cache repeated), the head on trained positions."""
+    if shared_prefix:
+        cache = model.model(input_ids=input_ids[:1, :shared_prefix], use_cache=True).past_key_values
+        cache.batch_repeat_interleave(input_ids.shape[0])
+        hidden = model.model(input_ids=input_ids[:, shared_prefix:], attention_mask=attention_mask,
+                             past_key_values=cache, use_cache=True).last_hidden_state
+        labels = labels[:, shared_prefix:]
+    else:
+        hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    targets = labels[:, 1:]
+    keep = targets != -100
+    return torch.nn.functional.cross_entropy(model.lm_head(hidden[:, :-1][keep]).float(), targets[keep])
+
+
 def reference_sft(model, examples, *, epochs, batch_size, lr, warmup_ratio, weight_decay, grad_clip, seed, pad_id,
                   max_steps=0, share_prompt_prefix=True):
     """The single-process SFT loop that the worker path replaced (plain model, fused AdamW, warm-up x cosine)."""
-    from arpo.sft import _batches, masked_lm_loss
+    from arpo.data.sft_batches import shuffled_batches
 
     rng = np.random.default_rng(seed)
     total = max(1, len(examples) // batch_size * epochs)
@@ -47,8 +62,9 @@ def reference_sft(model, examples, *, epochs, batch_size, lr, warmup_ratio, weig
     model.train()
     losses = []
     while len(losses) < total:
-        for input_ids, attn, labels, prefix in _batches(examples, batch_size, rng, pad_id, share_prompt_prefix):
-            loss = masked_lm_loss(model, input_ids, attn, labels, prefix)
+        for input_ids, attn, labels, prefix in shuffled_batches(examples, batch_size, rng, pad_id,
+                                                                share_prompt_prefix):
+            loss = reference_loss(model, input_ids, attn, labels, prefix)
             optim.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -66,7 +82,7 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 def test_one_rank_reproduces_the_single_process_loop(tiny_model_dir, tmp_path, one_process_group):  # noqa: F811
-    from arpo.sft import train_sft, train_sft_single_process, worker_config
+    from arpo.sft import train_sft, worker_config
     from arpo.trainer.worker_group import LocalWorkerGroup
 
     cfg = _cfg(tmp_path, tiny_model_dir, MESSAGES)
@@ -76,14 +92,7 @@ def test_one_rank_reproduces_the_single_process_loop(tiny_model_dir, tmp_path, o
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     ref_losses = reference_sft(reference, examples, lr=s.lr, warmup_ratio=s.warmup_ratio,
                                weight_decay=s.weight_decay, grad_clip=s.grad_clip, **hp)
-    old = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    old_summary = train_sft_single_process(old, examples, lr=s.lr, warmup_ratio=s.warmup_ratio,
-                                           weight_decay=s.weight_decay, grad_clip=s.grad_clip, **hp)
-    assert _max_diff({n: p.detach() for n, p in old.named_parameters()},
-                     {n: p.detach() for n, p in reference.named_parameters()}) == 0.0
-    assert old_summary["losses"] == [round(x, 6) for x in ref_losses]
-
-    group = LocalWorkerGroup(worker_config(cfg, tiny_model_dir, s.max_steps), role="sft")
+    group = LocalWorkerGroup(worker_config(s, tiny_model_dir, s.max_steps), role="sft")
     try:
         summary = train_sft(group, examples, **hp)
         params = group.full_parameters()
@@ -94,3 +103,129 @@ def test_one_rank_reproduces_the_single_process_loop(tiny_model_dir, tmp_path, o
     assert diff <= 1e-6
     assert summary["steps"] == len(ref_losses) == 6 and summary["mean_shared_prefix"] > 0
     assert np.allclose(summary["losses"], ref_losses, atol=1e-5)
+
+
+class BatchSpy:
+    """Records the global batches the driver hands to the ranks (wraps ``WorkerGroup.sft_step``)."""
+
+    def __init__(self, monkeypatch, fail_after: int | None = None):
+        from arpo.trainer.worker_group import WorkerGroup
+
+        self.batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        real = WorkerGroup.sft_step
+        spy = self
+
+        def sft_step(group, input_ids, attention_mask, labels, shared_prefix=0):
+            if fail_after is not None and len(spy.batches) == fail_after:
+                raise KeyboardInterrupt("killed")  # the driver stops here, as under Ctrl-C
+            spy.batches.append((input_ids.clone(), attention_mask.clone(), labels.clone()))
+            return real(group, input_ids, attention_mask, labels, shared_prefix)
+
+        monkeypatch.setattr(WorkerGroup, "sft_step", sft_step)
+
+
+def expected_rows(cfg, tok, train_file, fmt) -> dict[tuple[int, ...], list[int]]:
+    """Each trajectory's token ids -> its labels, built here from the file's turns: the prompt and every tool result
+    -100, every assistant token and the closing EOS its own id."""
+    rows = {}
+    for t in load_trajectories(train_file, fmt, CallTargets.from_tools(cfg.tools)):
+        prompt = tok.apply_chat_template(t.prompt, add_generation_prompt=True, tokenize=True)["input_ids"]
+        ids, labels = list(prompt), [-100] * len(prompt)
+        for seg in t.segments:
+            seg_ids = tok.encode(seg.text, add_special_tokens=False)
+            ids += seg_ids
+            labels += seg_ids if seg.is_model else [-100] * len(seg_ids)
+        rows[tuple(ids + [tok.eos_token_id])] = labels + [tok.eos_token_id]
+    return rows
+
+
+def check_masks(spy: BatchSpy, expected: dict, tok) -> None:
+    """Every row the ranks trained on: its labels equal the expected ones token by token; the trained text is
+    assistant text (no <result> inside), the masked text after the prompt is tool results only."""
+    seen = set()
+    for input_ids, attn, labels in spy.batches:
+        for ids, mask, lab in zip(input_ids.tolist(), attn.tolist(), labels.tolist()):
+            n = sum(mask)
+            key = tuple(ids[:n])
+            assert key in expected, "a row that is no trajectory of the file"
+            assert lab[:n] == expected[key]
+            assert all(x == -100 for x in lab[n:])  # padding carries no loss
+            trained = tok.decode([x for x in lab[:n] if x != -100])
+            assert "<result>" not in trained and "</answer>" in trained
+            seen.add(key)
+    assert seen == set(expected)  # every trajectory was trained on
+    some = next(iter(expected))
+    masked_tail = [i for i, x in zip(some, expected[some]) if x == -100]
+    assert any(tok.decode(masked_tail).count(tag) for tag in ("<result>",))
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "model.safetensors"))
+
+
+def test_sft_from_a_messages_file_on_two_ranks_equals_one_rank(tiny_model_dir, tmp_path, ray_cluster,  # noqa: F811
+                                                               monkeypatch, one_process_group):  # noqa: F811
+    from arpo.sft import run_sft
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    spy = BatchSpy(monkeypatch)
+    # the same rows per forward: one row on each of 2 ranks, micro-batches of one row on 1 rank
+    two = run_sft(_cfg(tmp_path / "two", tiny_model_dir, MESSAGES, "sft.num_ranks=2"))
+    cfg = _cfg(tmp_path / "one", tiny_model_dir, MESSAGES, "sft.micro_batch_size_per_gpu=1")
+    check_masks(spy, expected_rows(cfg, tok, MESSAGES, "messages"), tok)
+    n_batches = len(spy.batches)
+    one = run_sft(cfg)
+    assert [b[2].tolist() for b in spy.batches[n_batches:]] == [b[2].tolist() for b in spy.batches[:n_batches]]
+    diff = _max_diff(_weights(two), _weights(one))
+    print(f"max |dweight| 2 ranks vs 1 rank: {diff:.3g}")
+    assert diff <= 1e-6
+    s1, s2 = (json.loads((p / "sft_summary.json").read_text()) for p in (one, two))
+    assert s2["steps"] == s1["steps"] == 6 and np.allclose(s2["losses"], s1["losses"], atol=1e-5)
+    assert s2["demos"] == {"messages": 4, "too_long": 0}
+    assert (tmp_path / "two" / "sft-checkpoints" / "global_step_6" / "actor" / "contents.json").exists()
+    assert AutoTokenizer.from_pretrained(two).chat_template == tok.chat_template
+
+
+def test_sft_from_a_sharegpt_jsonl_on_two_ranks(tiny_model_dir, tmp_path, ray_cluster, monkeypatch):  # noqa: F811
+    from arpo.sft import run_sft
+
+    train_file = tmp_path / "sharegpt.jsonl"
+    train_file.write_text("".join(json.dumps(row) + "\n" for row in json.loads(SHAREGPT.read_text())))
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    spy = BatchSpy(monkeypatch)
+    cfg = _cfg(tmp_path, tiny_model_dir, train_file, "sft.num_ranks=2", "sft.max_steps=4")
+    out = run_sft(cfg)
+    check_masks(spy, expected_rows(cfg, tok, train_file, "sharegpt"), tok)
+    summary = json.loads((out / "sft_summary.json").read_text())
+    assert summary["demos"] == {"sharegpt": 4, "too_long": 0} and summary["steps"] == 4
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert _max_diff({n: p.detach() for n, p in loaded.named_parameters()},
+                     {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(
+                         tiny_model_dir).named_parameters()}) > 0  # trained
+
+
+def test_a_killed_sft_resumes_to_the_uninterrupted_weights(tiny_model_dir, tmp_path, monkeypatch,
+                                                            one_process_group):  # noqa: F811
+    from arpo.sft import run_sft
+
+    whole = run_sft(_cfg(tmp_path / "whole", tiny_model_dir, MESSAGES))
+    cfg = _cfg(tmp_path / "killed", tiny_model_dir, MESSAGES, "sft.save_freq=2")
+    BatchSpy(monkeypatch, fail_after=3)  # killed during step 4, after the checkpoint of step 2
+    with pytest.raises(KeyboardInterrupt):
+        run_sft(cfg)
+    ckpt_root = tmp_path / "killed" / "sft-checkpoints"
+    assert (ckpt_root / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert not (tmp_path / "killed" / "sft").exists()  # nothing exported
+    monkeypatch.undo()
+    spy = BatchSpy(monkeypatch)
+    resumed = run_sft(cfg)
+    assert len(spy.batches) == 4  # steps 3-6 only
+    diff = _max_diff(_weights(resumed), _weights(whole))
+    print(f"max |dweight| resumed vs uninterrupted: {diff:.3g}")
+    assert diff <= 1e-6
+    a, b = (json.loads((p / "sft_summary.json").read_text()) for p in (whole, resumed))
+    assert b["steps"] == a["steps"] == 6 and np.allclose(b["losses"], a["losses"], atol=1e-6)
+    # resume_mode=disable starts afresh
+    spy.batches.clear()
+    run_sft(_cfg(tmp_path / "killed", tiny_model_dir, MESSAGES, "sft.resume_mode=disable"))
+    assert len(spy.batches) == 6

@@ -109,22 +109,27 @@ class SFTWorker(ActorWorker):
 
     def sft_step(self, share: dict[str, torch.Tensor], shared_prefix: int, global_tokens: int) -> dict[str, float]:
         """One optimizer step on this rank's rows of a global batch (``input_ids``, ``attention_mask``,
-        ``labels``, right-padded; ``global_tokens`` trained tokens in the whole batch). Collective. Returns the
+        ``labels``, right-padded; ``global_tokens`` trained tokens in the whole batch), in micro-batches of
+        ``sft.micro_batch_size_per_gpu`` rows (null: the whole share in one forward). Collective. Returns the
         global batch's mean loss, the gradient norm before clipping and the LR the step used (equal on every
         rank)."""
         dev = self.device
         ids, attn, labels = (share[k].to(dev) for k in ("input_ids", "attention_mask", "labels"))
+        micro = int(self.config["sft"].get("micro_batch_size_per_gpu") or len(ids))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        with self.settings.autocast_context():
-            logits, targets, anchor = masked_lm_logits(self.model, ids, attn, labels, shared_prefix)
-            local = targets.numel()
-            # a rank whose rows train no token still joins the backward (its FSDP2 reduce-scatters)
-            loss = F.cross_entropy(logits.float(), targets) if local else logits.float().sum() * 0.0
-        scaled = loss * (local * self.world_size / max(1, global_tokens))
-        (scaled if anchor is None else scaled + anchor).backward()
+        total = 0.0
+        for rows in range(0, len(ids), micro):
+            sl = slice(rows, rows + micro)
+            with self.settings.autocast_context():
+                logits, targets, anchor = masked_lm_logits(self.model, ids[sl], attn[sl], labels[sl], shared_prefix)
+                local = targets.numel()
+                # a micro-batch that trains no token still joins the backward (its FSDP2 reduce-scatters)
+                loss = F.cross_entropy(logits.float(), targets) if local else logits.float().sum() * 0.0
+            scaled = loss * (local * self.world_size / max(1, global_tokens))
+            (scaled if anchor is None else scaled + anchor).backward()
+            total += float(scaled.detach())
         lr = float(self.lr_scheduler.get_last_lr()[0])
         grad_norm = self.clip_and_step(float(self.config["sft"]["grad_clip"]))
         self.lr_scheduler.step()
-        total = self.all_reduce_sum([float(scaled.detach())])
-        return {"loss": float(total[0]) / self.world_size, "grad_norm": grad_norm, "lr": lr}
+        return {"loss": float(self.all_reduce_sum([total])[0]) / self.world_size, "grad_norm": grad_norm, "lr": lr}

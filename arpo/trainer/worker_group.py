@@ -142,7 +142,7 @@ def _node_id(worker: Any) -> str:
 
 
 def worker_class(role: str) -> type:
-    """The worker class that runs ``role``: actor and ref ranks, the critic's, or SFT's (:mod:`arpo.trainer.sft_step`)."""
+    """The worker class of ``role``: actor and ref ranks, the critic's, or SFT's (:mod:`arpo.trainer.sft_step`)."""
     if role == "critic":
         from arpo.trainer.critic_worker import CriticWorker
 
@@ -245,8 +245,8 @@ class WorkerGroup:
         if rows % self.world_size:
             raise ValueError(f"an SFT batch of {rows} rows does not split over {self.world_size} ranks")
         per = rows // self.world_size
-        shares = [{"input_ids": input_ids[r * per: (r + 1) * per], "attention_mask": attention_mask[r * per: (r + 1) * per],
-                   "labels": labels[r * per: (r + 1) * per]} for r in range(self.world_size)]
+        shares = [{"input_ids": input_ids[sl], "attention_mask": attention_mask[sl], "labels": labels[sl]}
+                  for sl in (slice(r * per, (r + 1) * per) for r in range(self.world_size))]
         global_tokens = int((labels[:, 1:] != -100).sum())
         return self.execute_split("sft_step", shares, shared_prefix, global_tokens)[0]
 
