@@ -108,7 +108,7 @@ def test_one_rank_reproduces_the_single_process_loop(tiny_model_dir, tmp_path, o
 class BatchSpy:
     """Records the global batches the driver hands to the ranks (wraps ``WorkerGroup.sft_step``)."""
 
-    def __init__(self, monkeypatch, fail_after: int | None = None):
+    def __init__(self, monkeypatch):
         from arpo.trainer.worker_group import WorkerGroup
 
         self.batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -116,8 +116,6 @@ class BatchSpy:
         spy = self
 
         def sft_step(group, input_ids, attention_mask, labels, shared_prefix=0):
-            if fail_after is not None and len(spy.batches) == fail_after:
-                raise KeyboardInterrupt("killed")  # the driver stops here, as under Ctrl-C
             spy.batches.append((input_ids.clone(), attention_mask.clone(), labels.clone()))
             return real(group, input_ids, attention_mask, labels, shared_prefix)
 
@@ -222,28 +220,45 @@ def test_bad_sft_keys_stop_the_run_before_the_model_loads(tmp_path):
     assert not (tmp_path / "sft-checkpoints").exists()
 
 
-def test_a_killed_sft_resumes_to_the_uninterrupted_weights(tiny_model_dir, tmp_path, monkeypatch,
-                                                            one_process_group):  # noqa: F811
+def test_sft_killed_by_sigkill_resumes_to_the_uninterrupted_weights(tiny_model_dir, tmp_path, monkeypatch,
+                                                                     one_process_group):  # noqa: F811
+    """``python -m arpo.sft`` killed (SIGKILL) after its step-2 checkpoint, started again: it trains the remaining
+    steps only and ends with the uninterrupted run's weights; ``sft.resume_mode=disable`` starts afresh."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
     from arpo.sft import run_sft
 
-    whole = run_sft(_cfg(tmp_path / "whole", tiny_model_dir, MESSAGES))
-    cfg = _cfg(tmp_path / "killed", tiny_model_dir, MESSAGES, "sft.save_freq=2")
-    BatchSpy(monkeypatch, fail_after=3)  # killed during step 4, after the checkpoint of step 2
-    with pytest.raises(KeyboardInterrupt):
-        run_sft(cfg)
-    ckpt_root = tmp_path / "killed" / "sft-checkpoints"
-    assert (ckpt_root / "latest_checkpointed_iteration.txt").read_text() == "2"
-    assert not (tmp_path / "killed" / "sft").exists()  # nothing exported
-    monkeypatch.undo()
+    steps = ["sft.max_steps=12", "sft.save_freq=2"]
+    whole = run_sft(_cfg(tmp_path / "whole", tiny_model_dir, MESSAGES, *steps))
+    cfg = _cfg(tmp_path / "killed", tiny_model_dir, MESSAGES, *steps)
+    tracker = tmp_path / "killed" / "sft-checkpoints" / "latest_checkpointed_iteration.txt"
+    args = [f"actor_rollout_ref.model.path={tiny_model_dir}", f"sft.train_file={MESSAGES}",
+            f"sft.out_dir={tmp_path / 'killed' / 'sft'}", "sft.batch_size=2", "sft.epochs=20", "sft.lr=3e-3",
+            "sft.device=cpu", *steps]
+    proc = subprocess.Popen([sys.executable, "-m", "arpo.sft", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "TQDM_DISABLE": "1"})
+    try:
+        deadline = time.time() + 240
+        while not (tracker.exists() and tracker.read_text() == "2") and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    assert not (tmp_path / "killed" / "sft" / "model.safetensors").exists()  # nothing exported
+    done = int(tracker.read_text())
     spy = BatchSpy(monkeypatch)
     resumed = run_sft(cfg)
-    assert len(spy.batches) == 4  # steps 3-6 only
+    assert len(spy.batches) == 12 - done  # the remaining steps only
     diff = _max_diff(_weights(resumed), _weights(whole))
-    print(f"max |dweight| resumed vs uninterrupted: {diff:.3g}")
+    print(f"max |dweight| resumed after SIGKILL at step {done} vs uninterrupted: {diff:.3g}")
     assert diff <= 1e-6
     a, b = (json.loads((p / "sft_summary.json").read_text()) for p in (whole, resumed))
-    assert b["steps"] == a["steps"] == 6 and np.allclose(b["losses"], a["losses"], atol=1e-6)
-    # resume_mode=disable starts afresh
+    assert b["steps"] == a["steps"] == 12 and np.allclose(b["losses"], a["losses"], atol=1e-6)
     spy.batches.clear()
-    run_sft(_cfg(tmp_path / "killed", tiny_model_dir, MESSAGES, "sft.resume_mode=disable"))
-    assert len(spy.batches) == 6
+    run_sft(_cfg(tmp_path / "killed", tiny_model_dir, MESSAGES, *steps, "sft.resume_mode=disable"))
+    assert len(spy.batches) == 12
