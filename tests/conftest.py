@@ -8,6 +8,7 @@ The tiny base model is rebuilt per session (seconds). The SFT model takes minute
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,19 @@ def pytest_collection_modifyitems(config, items):
         return (0 if scope in first else 2 if needs_cache[scope] else 1), -LAST_PHASE_SECONDS.get(scope, 0.0)
 
     items.sort(key=order)  # stable: collection order within a phase, after the long modules of the last one
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With ``ARPO_TEST_TIMELINE=<file>``, each test's start and end (wall clock) and its xdist worker are appended
+    to that JSONL file: ``python experiments/suite_timeline.py <file>`` shows where the suite's time goes."""
+    path = os.environ.get("ARPO_TEST_TIMELINE")
+    start = time.time()
+    yield
+    if path:
+        import json
+
+        line = json.dumps({"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+                           "start": start, "end": time.time()})
+        with open(path, "a") as f:  # one short line per write: the two workers' lines do not interleave
+            f.write(line + "\n")
