@@ -32,7 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arpo.agent_loop import AgentLoopConfig, AgentLoopManager  # noqa: E402
-from arpo.agent_loop.templating import ChatTemplater  # noqa: E402
+from arpo.chat_templates.templater import ChatTemplater  # noqa: E402
 from arpo.batch import DataBatch  # noqa: E402
 from arpo.engine.base import SamplingParams  # noqa: E402
 from arpo.testing.scripted_engine import ScriptedEngine, ScriptPolicy, build_chat_tokenizer  # noqa: E402

@@ -198,9 +198,11 @@ def test_the_pipeline_gives_sft_and_rl_the_same_template():
 
 @pytest.mark.parametrize("name", list(TEMPLATES))
 def test_the_agent_loops_render_tool_turns_incrementally_with_every_named_template(tokenizer_dir, name):
-    from arpo.agent_loop.templating import ChatTemplater
+    from arpo.chat_templates.templater import ChatTemplater
 
     tokenizer = load_tokenizer(tokenizer_dir, name)
+    if name == "llama3":  # Llama 3.1 Instruct's EOS is its end-of-turn token
+        tokenizer.eos_token = "<|eot_id|>"
     templater = ChatTemplater(tokenizer, [SEARCH_SCHEMA])
     after_turn = templater.message_ids([{"role": "tool", "content": RESULT}], after=[tokenizer.eos_token_id])
     expected = {"qwen2.5": f"\n<|im_start|>user\n<tool_response>\n{RESULT}\n</tool_response><|im_end|>\n"
@@ -208,3 +210,28 @@ def test_the_agent_loops_render_tool_turns_incrementally_with_every_named_templa
                 "llama3": f"<|start_header_id|>tool<|end_header_id|>\n\n{RESULT.strip()}<|eot_id|>"
                           "<|start_header_id|>assistant<|end_header_id|>\n\n"}
     assert tokenizer.decode(after_turn) == expected.get(name, expected["qwen2.5"])
+
+
+@pytest.mark.parametrize("name", list(TEMPLATES))
+def test_both_rollout_paths_give_a_tool_result_the_same_text_closing_the_turn_as_the_template_does(tokenizer_dir,
+                                                                                                   name):
+    """The ARPO rollout's hermes wrapper is the agent loops' rendering of a tool message after a turn that stopped
+    on ``</tool_call>``; the turn is closed with the template's own end-of-turn text, also where the tokenizer's
+    EOS is another token (this tokenizer's ``<|im_end|>`` under the Llama 3 template) and a sampled EOS does not
+    close the turn."""
+    from arpo.chat_templates.templater import ChatTemplater
+    from arpo.rollout.call_format import tool_message_wrapper
+
+    tokenizer = load_tokenizer(tokenizer_dir, name)
+    templater = ChatTemplater(tokenizer, [SEARCH_SCHEMA])
+    result = "Hamlet is a tragedy by William Shakespeare."
+    close = {"llama3": "<|eot_id|>"}.get(name, "<|im_end|>\n")
+    assert templater.turn_close == close
+    before, after = tool_message_wrapper(tokenizer)
+    for sampled in ("</tool_call>", tokenizer.eos_token):
+        ids = templater.message_ids([{"role": "tool", "content": result}],
+                                    after=tokenizer.encode(sampled, add_special_tokens=False))
+        if name == "llama3" or sampled == "</tool_call>":  # the turn is not closed yet: the whole close comes first
+            assert tokenizer.decode(ids) == before + result + after and before.startswith(close)
+        else:  # the model sampled ChatML's end-of-turn token: only the newline after it is added
+            assert tokenizer.decode(ids) == before[len(tokenizer.eos_token):] + result + after

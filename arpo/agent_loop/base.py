@@ -20,7 +20,7 @@ from arpo.rollout.tool_executor import TRUNCATE_SIDES
 if TYPE_CHECKING:
     from arpo.agent_loop.server_manager import ServerManager
     from arpo.rollout.tool_executor import ToolExecutor
-    from arpo.agent_loop.templating import ChatTemplater
+    from arpo.chat_templates.templater import ChatTemplater
     from tools.base import BaseTool
 
 TOOL_CALL_FORMATS = ("hermes", "arpo_tags")

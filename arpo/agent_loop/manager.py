@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from arpo.agent_loop.base import (AgentLoopContext, AgentLoopOutput, MultiTurnConfig, register_entry,
                                   resolve_agent_loop)
 from arpo.agent_loop.server_manager import ServerManager
-from arpo.agent_loop.templating import ChatTemplater
+from arpo.chat_templates.templater import ChatTemplater
 from arpo.batch import DataBatch, Trajectory, collate_trajectories
 from arpo.engine.base import SamplingParams
 from arpo.rollout.tool_executor import ToolExecutor

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from arpo.agent_loop.tool_parsers import HERMES_HINT, HermesToolParser
+from arpo.chat_templates.templater import ChatTemplater
 from arpo.protocol import HERMES_CALL_CLOSE, HERMES_CALL_OPEN, MalformedCall, ToolCall, ToolProtocol, \
     format_tool_result
 from arpo.rollout.config import CONFIG_PREFIX, ARPORolloutConfig
@@ -30,7 +31,7 @@ KEY = f"{CONFIG_PREFIX}.tools.format"
 #: the record's and metrics' tool name of a hermes call that names no loaded tool (or none at all)
 INVALID_CALL = "invalid_call"
 # markers rendered through the chat template to find what it writes around a tool message
-_CALL_MARK, _RESULT_MARK = "ARPO_HERMES_CALL_9b1f", "ARPO_HERMES_RESULT_9b1f"
+_RESULT_MARK = "ARPO_HERMES_RESULT_9b1f"
 
 
 class TagCalls:
@@ -56,23 +57,22 @@ class TagCalls:
 
 
 def tool_message_wrapper(tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, str]:
-    """(text before, text after) a tool result, as the tokenizer's chat template writes a ``tool`` message right
-    after an assistant turn, through the next assistant generation prompt. Derived from the template rather than
-    written here, so each family gets its own (Qwen: ``<tool_response>`` in a user turn; Llama 3: a ``tool``
-    header). A ValueError names :data:`KEY` when there is no template or it does not render a tool message."""
+    """(text before, text after) a tool result, as the tokenizer's chat template writes a ``tool`` message after an
+    assistant turn that stopped on ``</tool_call>``, through the next assistant generation prompt. The agent loops'
+    :class:`ChatTemplater` renders it, so both rollout paths give a tool result the same tokens and each family its
+    own markup (Qwen: ``<tool_response>`` in a user turn; Llama 3: a ``tool`` header). A ValueError names
+    :data:`KEY` when there is no template or it does not render a tool message."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{KEY}=hermes: the tokenizer has no chat template, which renders the tool results; set "
                          f"actor_rollout_ref.model.custom_chat_template (e.g. qwen2.5) or use {KEY}=tags")
-    messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _CALL_MARK},
-                {"role": "tool", "content": _RESULT_MARK}]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                         **dict(chat_template_kwargs or {}))
-    if text.count(_CALL_MARK) != 1 or text.count(_RESULT_MARK) != 1 or text.find(_CALL_MARK) > text.find(_RESULT_MARK):
+    templater = ChatTemplater(tokenizer, None, dict(chat_template_kwargs or {}))
+    text = templater.message_text([{"role": "tool", "content": _RESULT_MARK}], closed=False)
+    if text.count(_RESULT_MARK) != 1 or not templater.turn_close:
         raise ValueError(f"{KEY}=hermes: the tokenizer's chat template does not render a tool message after an "
                          f"assistant turn; give it a template that does (e.g. custom_chat_template=qwen2.5) or use "
                          f"{KEY}=tags")
-    call_end, result = text.index(_CALL_MARK) + len(_CALL_MARK), text.index(_RESULT_MARK)
-    return text[call_end:result], text[result + len(_RESULT_MARK):]
+    before, after = text.split(_RESULT_MARK)
+    return before, after
 
 
 class HermesCalls:

@@ -29,6 +29,7 @@ class EchoSearch(BaseTool):
         super().__init__(**kw)
         self.pad, self.latency_s = pad, latency_s
         self.queries: list[str] = []
+        self.intervals: list[tuple[float, float]] = []  # (start, end) of each call, perf_counter seconds
 
     def default_schema(self) -> dict[str, Any]:
         return {"type": "function", "function": {
@@ -37,8 +38,10 @@ class EchoSearch(BaseTool):
 
     def call_text(self, content: str) -> str:
         self.queries.append(content)
+        start = time.perf_counter()
         if self.latency_s:
             time.sleep(self.latency_s)
+        self.intervals.append((start, time.perf_counter()))
         return f"results for {content}" + "x" * self.pad
 
 

@@ -58,7 +58,7 @@ def agent_loop_batch(tokenizer, engines, cfg: dict, n_prompts: int, seed: int = 
 
 
 def batch_rollout(tokenizer, engine, cfg: dict, n_prompts: int, seed: int = SEED) -> DataBatch:
-    from arpo.agent_loop.templating import ChatTemplater
+    from arpo.chat_templates.templater import ChatTemplater
 
     templater = ChatTemplater(tokenizer, [], {})
     prompts = [templater.prompt_ids(m, with_tools=False) for m in messages(n_prompts)]
@@ -177,7 +177,7 @@ def test_the_agent_loop_records_the_batch_rollouts_log_probs(tokenizer):
 def test_hermes_calls_give_the_batch_rollouts_group_with_the_tools_in_the_prompt(tokenizer):
     """``tools.format: hermes`` in the agent loop: the prompt carries the tools block (the schemas the model calls
     by name), and the group is the batch rollout's over the same prompt, forks after the tool response included."""
-    from arpo.agent_loop.templating import ChatTemplater
+    from arpo.chat_templates.templater import ChatTemplater
     from tests.rollout.test_hermes_rollout import CALL, FINAL
 
     cfg = {"n": 4, "initial_rollouts": 2, "tools.format": "hermes", "branching.timing": "paper",
