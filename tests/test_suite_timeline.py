@@ -15,7 +15,8 @@ def test_a_real_pytest_run_writes_one_line_per_test_and_the_summary_reads_it(tmp
     timeline = tmp_path / "timeline.jsonl"
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_make_run_matrix.py"],
                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "ARPO_TEST_TIMELINE": str(timeline)})
+                       env={**{k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"},  # under make test
+                            "ARPO_TEST_TIMELINE": str(timeline)})
     assert r.returncode == 0, r.stdout[-2000:]
     records = [json.loads(line) for line in timeline.read_text().splitlines()]
     passed = int(r.stdout.strip().splitlines()[-1].split(" passed")[0].split()[-1])
