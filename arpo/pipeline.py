@@ -52,7 +52,7 @@ STAGE_KEYS = {
     # only keys configs/eval.yaml has reach it (pipeline_stages.routed_to_eval): training-only ones stay with RL
     "eval": {"eval", "tools", "reward", "custom_reward_function", "actor_rollout_ref", "ray_init"},
 }
-PRESET_KEYS = ("base_model", "output_dir", "rl_data", "overrides", "eval")
+PRESET_KEYS = ("base_model", "output_dir", "rl_data", "overrides", "eval", "tables_reference")
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,7 @@ class Preset:
     overrides: tuple[str, ...]
     rl_data: str = "synthetic"
     eval: tuple[str, ...] | None = None   # None: no eval / tables stages
+    tables_reference: str | None = None   # reported rows beside ours in the tables (a file under configs/)
 
     @classmethod
     def load(cls, name: str) -> "Preset":
@@ -88,8 +89,13 @@ class Preset:
             if not isinstance(value, list) or not all(isinstance(o, str) and "=" in o for o in value):
                 raise ConfigError(f"{where}: {key} must be a list of 'key=value' strings")
             lists[key] = tuple(value)
+        reference = raw.get("tables_reference")
+        if reference is not None and not (config_dir() / str(reference)).is_file():
+            raise ConfigError(f"{where}: tables_reference={reference!r}: no such file under configs/ "
+                              f"(e.g. paper_reported.yaml)")
         return cls(name, str(raw["base_model"]), str(raw["output_dir"]), lists["overrides"], rl_data,
-                   lists["eval"] if "eval" in raw else None)
+                   lists["eval"] if "eval" in raw else None,
+                   str(config_dir() / str(reference)) if reference is not None else None)
 
     @property
     def model_name(self) -> str:
@@ -285,7 +291,8 @@ class Pipeline:
 
         self._stage(5, "eval", run_dir, False, evaluate)
         self._stage(6, "tables", self.paths["tables"], False,
-                    lambda: result.update(tables=str(write_tables(self.paths["eval"], self.paths["tables"])
+                    lambda: result.update(tables=str(write_tables(self.paths["eval"], self.paths["tables"],
+                                                                  self.preset.tables_reference)
                                                      ["table1.md"].parent)))
         return result
 

@@ -167,10 +167,11 @@ def eval_digest(summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
                            for b, s in summary.get("benchmarks", {}).items()}}
 
 
-def write_tables(eval_dir: Path, out_dir: Path) -> dict[str, Path]:
-    """``python -m arpo.tables --runs <eval_dir> --out <out_dir>``: the paper's tables over every run there."""
+def write_tables(eval_dir: Path, out_dir: Path, reference: str | None = None) -> dict[str, Path]:
+    """``python -m arpo.tables --runs <eval_dir> --out <out_dir> [--reference FILE]``: the paper's tables over
+    every run there, with the reported rows of ``reference`` after ours."""
     from arpo.evaluation.tables import make_tables
 
-    written = make_tables([str(eval_dir)], out_dir)
+    written = make_tables([str(eval_dir)], out_dir, reference=reference)
     logger.info("tables written: %s", ", ".join(sorted(p.name for p in written.values())))
     return written

@@ -34,6 +34,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Path]:
                                                         "format_ok")
     parser.add_argument("--digits", type=int, default=1)
     parser.add_argument("--methods", nargs="*", default=None, help="rows in this order (default: all, sorted)")
+    parser.add_argument("--reference", default=None,
+                        help="reported rows to print after ours in Tables 1-2 (e.g. configs/paper_reported.yaml)")
     parser.add_argument("--profile", default="arpo", choices=PROFILES,
                         help="--runs: metric profile of the tables (arpo: the released evaluation's metrics, as in "
                              "the paper; strict: ours); profiles.md shows both")
@@ -51,7 +53,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Path]:
         print(written["table.md"].read_text(encoding="utf-8"))
         return written
     try:
-        written = make_tables(args.runs, args.out, args.metric, args.digits, args.methods, args.profile)
+        written = make_tables(args.runs, args.out, args.metric, args.digits, args.methods, args.profile,
+                              args.reference)
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"arpo.tables: {err}") from None
     for name in ("table1.md", "table2.md", "other.md", "profiles.md"):

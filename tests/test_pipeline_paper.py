@@ -23,6 +23,7 @@ def test_paper_preset_reads_the_release_data_and_carries_the_papers_rl_settings(
     p = Pipeline(tmp_path, PAPER, [f"sft.train_file={SHAREGPT}"])
     assert p.stages == ("data", "base_model", "sft", "rl", "eval", "tables")
     assert p.preset.rl_data == "files" and p.preset.base_model == "Qwen/Qwen2.5-7B-Instruct"
+    assert p.preset.tables_reference == str(REPO / "configs" / "paper_reported.yaml")
     rl = p.config("arpo_trainer")
     assert Path(rl.data.train_files) == shared_data_dir() / "rl" / "train_10k.parquet" or \
         rl.data.train_files == "../shared/data/arpo/rl/train_10k.parquet"      # ARPO_SHARED_DATA unset: the default
@@ -56,6 +57,8 @@ def test_the_existing_presets_have_no_evaluation_stage_and_refuse_eval_keys(tmp_
     ("base_model: tiny\noutput_dir: o\nrl_data: parquet\n",
      r"rl_data='parquet'; choose one of \['synthetic', 'files'\]"),
     ("base_model: tiny\noutput_dir: o\neval: [eval.num_runs]\n", r"eval must be a list of 'key=value' strings"),
+    ("base_model: tiny\noutput_dir: o\ntables_reference: paper.yaml\n",
+     r"tables_reference='paper.yaml': no such file under configs/"),
 ])
 def test_a_bad_preset_is_one_error_line_naming_the_field(tmp_path, monkeypatch, text, error):
     (tmp_path / "pipeline").mkdir()
@@ -147,6 +150,8 @@ def test_paper_preset_end_to_end_smoke(smollm2_truncated_dir, shared_data, tmp_p
     cells = dict(zip(header, [c.strip() for c in row.strip("|").split("|")]))
     assert cells["Bamboogle"] != "–" and cells["GSM8K"] != "–" and cells["AIME24"] == "–"
     assert float(cells["GSM8K"]) == pytest.approx(100 * summary["eval"]["benchmarks"]["gsm8k"]["acc"])
+    paper = next(line for line in md.splitlines() if line.startswith("| ARPO, paper (Qwen2.5-7B)"))
+    assert dict(zip(header, [c.strip() for c in paper.strip("|").split("|")]))["Avg."] == "58.3"
 
 
 def test_an_hf_id_is_downloaded_once_into_models_then_used_by_sft(tmp_path, tiny_model_dir, monkeypatch):

@@ -356,10 +356,45 @@ def profiles_markdown(rows: list[dict[str, Any]], digits: int) -> str:
     return "\n".join(lines + ["", f"{PROFILE_NOTES['arpo']}; {PROFILE_NOTES['strict']}.", ""])
 
 
+def load_reference(path: str | Path) -> dict[str, dict[str, dict[str, float]]]:
+    """Reported rows to print beside ours (``configs/paper_reported.yaml``): table name -> row label -> column
+    header -> value in percent. A table, header or value the tables do not have is one error naming it."""
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.to_container(OmegaConf.load(path)) or {}
+    specs = {spec.name: spec for spec in (TABLE1, TABLE2)}
+    if not isinstance(raw, dict):
+        raise ValueError(f"--reference {path}: expected a mapping of {sorted(specs)} to rows")
+    reference: dict[str, dict[str, dict[str, float]]] = {}
+    for table, rows in raw.items():
+        if table not in specs or not isinstance(rows, dict):
+            raise ValueError(f"--reference {path}: {table!r} is not a table of rows; use {sorted(specs)}")
+        headers = [h for _, h in columns(specs[table])]
+        for label, cells in rows.items():
+            for header, value in (cells or {}).items():
+                if header not in headers:
+                    raise ValueError(f"--reference {path}: {table}, row {label!r}: no column {header!r}; the "
+                                     f"columns are {headers}")
+                if not isinstance(value, (int, float)) or isinstance(value, bool):
+                    raise ValueError(f"--reference {path}: {table}, row {label!r}, {header}: {value!r} is not a number")
+            reference.setdefault(table, {})[str(label)] = {h: float(v) for h, v in (cells or {}).items()}
+    return reference
+
+
+def _reference_cells(spec: TableSpec, rows: dict[str, dict[str, float]], scale: float) -> dict[str, dict[str, Cell]]:
+    """Reported rows as cells (one value each, stored unscaled like ours)."""
+    key_of = {h: k for k, h in columns(spec)}
+    return {label: {key_of[h]: Cell([v / _scale_for(key_of[h], scale)]) for h, v in cells.items()}
+            for label, cells in rows.items()}
+
+
 def make_tables(run_patterns: Sequence[str], out_dir: str | Path, metric: str = "acc", digits: int = 1,
-                methods: Sequence[str] | None = None, profile: str = "arpo") -> dict[str, Path]:
-    """Write every table, values.csv and the profile comparison under ``out_dir``; return the paths written."""
+                methods: Sequence[str] | None = None, profile: str = "arpo",
+                reference: str | Path | None = None) -> dict[str, Path]:
+    """Write every table, values.csv and the profile comparison under ``out_dir``; return the paths written.
+    ``reference``: a file of reported rows (:func:`load_reference`) printed after ours in Tables 1 and 2."""
     check_profile(profile)
+    reported = load_reference(reference) if reference else {}
     runs = load_runs(find_run_dirs(run_patterns), profile)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -371,7 +406,8 @@ def make_tables(run_patterns: Sequence[str], out_dir: str | Path, metric: str = 
     seeds = sorted({r.seed for r in runs})
     note = (f"{metric} in percent; mean ± std over seeds (ddof=1, one seed: mean only) of the mean over runs; "
             f"Tools/q: executed tool calls per question; {MISSING}: no result. Runs: {len(runs)}, seeds {seeds}. "
-            f"{PROFILE_NOTES[profile][0].upper()}{PROFILE_NOTES[profile][1:]}.")
+            f"{PROFILE_NOTES[profile][0].upper()}{PROFILE_NOTES[profile][1:]}."
+            + (f" Rows after ours: reported numbers ({Path(reference).name}), one value each." if reported else ""))
     written: dict[str, Path] = {}
     for spec in [TABLE1, TABLE2, other_spec(runs)]:
         if spec is None:
@@ -381,6 +417,9 @@ def make_tables(run_patterns: Sequence[str], out_dir: str | Path, metric: str = 
         if not rows_methods:
             rows_methods = list(order)
             cells = {m: {} for m in order}
+        extra = _reference_cells(spec, reported.get(spec.name, {}), scale)
+        cells = {**cells, **extra}
+        rows_methods = rows_methods + [label for label in extra if label not in rows_methods]
         for ext, text in (("md", to_markdown(spec, cells, rows_methods, scale, digits, note)),
                           ("tex", to_latex(spec, cells, rows_methods, scale, digits, note))):
             path = out / f"{spec.name}.{ext}"

@@ -169,3 +169,36 @@ def test_training_table_cli(tmp_path, capsys):
     assert "| grpo | 1 |" in capsys.readouterr().out and written["runs.csv"].exists()
     with pytest.raises(SystemExit, match="no <variant>/seed<K>/ runs"):
         tables_main(["--training-runs", str(tmp_path / "empty"), "--out", str(tmp_path / "t")])
+
+
+def test_the_papers_reported_rows_print_after_ours_in_every_format(runs, tmp_path, capsys):
+    from arpo.config import config_dir
+
+    out = tmp_path / "tables"
+    tables_main(["--runs", str(runs), "--out", str(out), "--reference", str(config_dir() / "paper_reported.yaml")])
+    assert "ARPO, paper (Qwen2.5-7B)" in capsys.readouterr().out
+    md = (out / "table1.md").read_text()
+    header = [c.strip() for c in md.splitlines()[2].strip("|").split("|")]
+    labels = [line.split("|")[1].strip() for line in md.splitlines()[4:] if line.startswith("| ")]
+    assert labels == ["arpo", "grpo", "ARPO, paper (Qwen2.5-7B)", "GRPO, paper (Qwen2.5-7B)",
+                      "REINFORCE++, paper (Qwen2.5-7B)"]
+    paper = dict(zip(header, [c.strip() for c in next(
+        line for line in md.splitlines() if line.startswith("| ARPO, paper")).strip("|").split("|")]))
+    assert (paper["AIME24"], paper["AIME25"], paper["Avg."], paper["Bamboogle"]) == ("30.0", "30.0", "58.3", "–")
+    assert "reported numbers (paper_reported.yaml)" in md
+    rows = {r["method"]: r for r in _csv(out / "table1.csv")}
+    assert float(rows["GRPO, paper (Qwen2.5-7B)"]["AIME24 mean"]) == pytest.approx(23.3)
+    assert "ARPO, paper (Qwen2.5-7B) & 30.0 & 30.0" in (out / "table1.tex").read_text()
+    assert "paper" not in (out / "table2.md").read_text().split("\n\n")[1]  # no reported row for Table 2 yet
+
+
+@pytest.mark.parametrize("text, error", [
+    ("table3: {x: {Avg.: 1}}\n", "'table3' is not a table of rows"),
+    ("table1: {x: {Average: 1}}\n", "row 'x': no column 'Average'"),
+    ("table1: {x: {Avg.: high}}\n", "Avg.: 'high' is not a number"),
+])
+def test_a_bad_reference_file_is_one_error_naming_the_cell(runs, tmp_path, text, error):
+    bad = tmp_path / "reported.yaml"
+    bad.write_text(text)
+    with pytest.raises(SystemExit, match=error):
+        tables_main(["--runs", str(runs), "--out", str(tmp_path / "t"), "--reference", str(bad)])
