@@ -90,12 +90,12 @@ class Preset:
                 raise ConfigError(f"{where}: {key} must be a list of 'key=value' strings")
             lists[key] = tuple(value)
         reference = raw.get("tables_reference")
-        if reference is not None and not (config_dir() / str(reference)).is_file():
+        reference_path = config_dir() / str(reference) if reference is not None else None
+        if reference_path is not None and not reference_path.is_file():
             raise ConfigError(f"{where}: tables_reference={reference!r}: no such file under configs/ "
                               f"(e.g. paper_reported.yaml)")
         return cls(name, str(raw["base_model"]), str(raw["output_dir"]), lists["overrides"], rl_data,
-                   lists["eval"] if "eval" in raw else None,
-                   str(config_dir() / str(reference)) if reference is not None else None)
+                   lists["eval"] if "eval" in raw else None, str(reference_path) if reference_path else None)
 
     @property
     def model_name(self) -> str:

@@ -48,7 +48,6 @@ from tqdm import tqdm
 
 from arpo.data.sft_batches import shuffled_batches, streamed_batches
 from arpo.protocol import DEFAULT_PROTOCOL, format_tool_result
-from arpo.trainer.sft_step import masked_lm_loss  # noqa: F401  (re-exported: the loss SFT trains)
 from tools.base import BaseTool
 
 logger = logging.getLogger(__name__)

@@ -58,7 +58,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from arpo.sft import masked_lm_loss
+    from arpo.trainer.sft_step import masked_lm_loss
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -93,7 +93,8 @@ def child(work: Path, name: str, threads: int, dtype: str, steps: int) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from arpo.data.sft_batches import shuffled_batches
-    from arpo.sft import masked_lm_loss, plan_steps, train_sft, worker_config
+    from arpo.sft import plan_steps, train_sft, worker_config
+    from arpo.trainer.sft_step import masked_lm_loss
     from arpo.trainer.device import device_settings
     from arpo.trainer.worker_group import LocalWorkerGroup
 

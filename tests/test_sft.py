@@ -124,7 +124,7 @@ def test_masked_lm_loss_equals_the_full_logits_loss():
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from arpo.sft import masked_lm_loss
+    from arpo.trainer.sft_step import masked_lm_loss
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -146,7 +146,7 @@ def test_shared_prompt_prefix_gives_the_same_loss_and_gradients():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from arpo.data.sft_batches import shared_prompt_prefix
-    from arpo.sft import masked_lm_loss
+    from arpo.trainer.sft_step import masked_lm_loss
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

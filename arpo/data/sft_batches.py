@@ -31,6 +31,12 @@ def _window_chunks(part: list, batch_size: int) -> list:
     return [part[b: b + batch_size] for b in range(0, len(part) - batch_size + 1, batch_size)]
 
 
+def _in_random_order(chunks: list, rng: np.random.Generator, pad_id: int, share_prefix: bool):
+    """The chunks collated, in an order drawn from ``rng`` (one permutation per call)."""
+    for c in rng.permutation(len(chunks)):
+        yield _collate(chunks[c], pad_id, share_prefix)
+
+
 def shuffled_batches(examples: list, batch_size: int, rng: np.random.Generator, pad_id: int, share_prefix: bool = False):
     """Shuffled batches of similar length (less padding): shuffle, sort within windows of 16 batches, then
     shuffle the batch order."""
@@ -39,8 +45,7 @@ def shuffled_batches(examples: list, batch_size: int, rng: np.random.Generator, 
     chunks = []
     for w in range(0, len(order), window):
         chunks += _window_chunks([examples[i] for i in order[w: w + window]], batch_size)
-    for c in rng.permutation(len(chunks)):
-        yield _collate(chunks[c], pad_id, share_prefix)
+    yield from _in_random_order(chunks, rng, pad_id, share_prefix)
 
 
 def streamed_batches(stream: Iterable, batch_size: int, rng: np.random.Generator, pad_id: int,
@@ -53,11 +58,8 @@ def streamed_batches(stream: Iterable, batch_size: int, rng: np.random.Generator
         buf.append(ex)
         if len(buf) == window:
             chunks, buf = _window_chunks(buf, batch_size), []
-            for c in rng.permutation(len(chunks)):
-                yield _collate(chunks[c], pad_id, share_prefix)
-    chunks = _window_chunks(buf, batch_size)
-    for c in rng.permutation(len(chunks)):
-        yield _collate(chunks[c], pad_id, share_prefix)
+            yield from _in_random_order(chunks, rng, pad_id, share_prefix)
+    yield from _in_random_order(_window_chunks(buf, batch_size), rng, pad_id, share_prefix)
 
 
 def shared_prompt_prefix(examples: Sequence[tuple[list[int], list[int]]]) -> int:

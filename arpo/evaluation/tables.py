@@ -371,13 +371,14 @@ def load_reference(path: str | Path) -> dict[str, dict[str, dict[str, float]]]:
             raise ValueError(f"--reference {path}: {table!r} is not a table of rows; use {sorted(specs)}")
         headers = [h for _, h in columns(specs[table])]
         for label, cells in rows.items():
-            for header, value in (cells or {}).items():
+            cells = cells or {}
+            for header, value in cells.items():
                 if header not in headers:
                     raise ValueError(f"--reference {path}: {table}, row {label!r}: no column {header!r}; the "
                                      f"columns are {headers}")
                 if not isinstance(value, (int, float)) or isinstance(value, bool):
                     raise ValueError(f"--reference {path}: {table}, row {label!r}, {header}: {value!r} is not a number")
-            reference.setdefault(table, {})[str(label)] = {h: float(v) for h, v in (cells or {}).items()}
+            reference.setdefault(table, {})[str(label)] = {h: float(v) for h, v in cells.items()}
     return reference
 
 
