@@ -80,12 +80,18 @@ def masked_lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     return out.logits, targets[keep], anchor
 
 
+def trained_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of :func:`masked_lm_logits`'s positions; a zero joined to the graph when there
+    are none (a micro-batch that trains no token still runs its backward: FSDP2's reduce-scatters are collective)."""
+    return F.cross_entropy(logits.float(), targets) if targets.numel() else logits.float().sum() * 0.0
+
+
 def masked_lm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
                    shared_prefix: int = 0) -> torch.Tensor:
     """Next-token cross-entropy (mean) over the trained positions only; see :func:`masked_lm_logits`. Same loss
     and gradients with or without ``shared_prefix``, about half the tokens with it."""
     logits, targets, anchor = masked_lm_logits(model, input_ids, attention_mask, labels, shared_prefix)
-    loss = F.cross_entropy(logits.float(), targets)
+    loss = trained_token_loss(logits, targets)
     return loss if anchor is None else loss + anchor
 
 
@@ -123,10 +129,8 @@ class SFTWorker(ActorWorker):
             sl = slice(rows, rows + micro)
             with self.settings.autocast_context():
                 logits, targets, anchor = masked_lm_logits(self.model, ids[sl], attn[sl], labels[sl], shared_prefix)
-                local = targets.numel()
-                # a micro-batch that trains no token still joins the backward (its FSDP2 reduce-scatters)
-                loss = F.cross_entropy(logits.float(), targets) if local else logits.float().sum() * 0.0
-            scaled = loss * (local * self.world_size / max(1, global_tokens))
+                loss = trained_token_loss(logits, targets)
+            scaled = loss * (targets.numel() * self.world_size / max(1, global_tokens))
             (scaled if anchor is None else scaled + anchor).backward()
             total += float(scaled.detach())
         lr = float(self.lr_scheduler.get_last_lr()[0])
