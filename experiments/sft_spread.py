@@ -94,8 +94,8 @@ def child(work: Path, name: str, threads: int, dtype: str, steps: int) -> None:
 
     from arpo.data.sft_batches import shuffled_batches
     from arpo.sft import plan_steps, train_sft, worker_config
-    from arpo.trainer.sft_step import masked_lm_loss
     from arpo.trainer.device import device_settings
+    from arpo.trainer.sft_step import masked_lm_loss
     from arpo.trainer.worker_group import LocalWorkerGroup
 
     plan = json.loads((work / "plan.json").read_text())

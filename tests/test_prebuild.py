@@ -32,6 +32,8 @@ def test_sft_build_threads_change_no_demonstration(synthetic_dir, tiny_model_dir
     default = load_config("sft", paths)
     build = load_config("sft", paths + list(prebuild.SFT_BUILD_OVERRIDES))
     assert (default.sft.tool_workers, build.sft.tool_workers) == (1, 8)
+    # the override addresses the sandbox by its place in configs/tools/synthetic.yaml
+    assert build.tools[1].class_name == "tools.python_sandbox.tool.PythonTool"
     assert build.tools[1].config.max_workers == 8
     # the overrides touch the two thread counts and nothing else of the config
     plain = OmegaConf.to_container(build, resolve=True)
