@@ -8,7 +8,8 @@ states, not the logits.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -220,24 +221,47 @@ def _checkpointing_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
 
 
-def _prefix_cache(model: nn.Module, head: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor):
-    """Run the shared prefix (one row) through the whole model once — through its root forward, so that
-    wrappers such as FSDP2 gather and reduce its parameters as for any forward — and return its cache as
-    read-only layers. Under autograd the prefix's activations are kept (one row): gradients of every row's
-    loss flow back through its keys and values."""
+@contextlib.contextmanager
+def head_swapped(model: nn.Module, head: nn.Module) -> Iterator[None]:
+    """``model.lm_head`` is ``head`` inside the block: the stand-in runs within the model's own forward, so
+    wrappers' root hooks (FSDP2 gathers the embedding and head there) stay in charge."""
+    original = model.lm_head
+    model.lm_head = head
+    try:
+        yield
+    finally:
+        model.lm_head = original
+
+
+@contextlib.contextmanager
+def shared_prefix_cache(model: nn.Module, input_ids: torch.Tensor,
+                        position_ids: torch.Tensor) -> Iterator[tuple[Any, torch.Tensor]]:
+    """``(cache, anchor)`` of the shared prefix ``input_ids`` (one row): its keys and values as read-only
+    layers for every row of the forward run inside the block, and a zero to add to that forward's loss.
+
+    The prefix runs once through the model's root forward (its head an :class:`_AnchorHead`), so wrappers such
+    as FSDP2 gather and reduce its parameters as for any forward; the anchor puts that pass in the loss's graph.
+    Under autograd the prefix's activations are kept (one row): gradients of every row's loss flow back through
+    its keys and values. Gradient checkpointing may replay the block's layers: they only read the cache."""
     checkpointing = _checkpointing_modules(model)
     for m in checkpointing:  # the prefix pass must return its cache (HF drops it under checkpointing)
         m.gradient_checkpointing = False
-    model.lm_head = _AnchorHead()
     try:
-        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=True)
+        with head_swapped(model, _AnchorHead()):
+            out = model(input_ids=input_ids, position_ids=position_ids, use_cache=True)
     finally:
-        model.lm_head = head
         for m in checkpointing:
             m.gradient_checkpointing = True
     cache = out.past_key_values
     cache.layers = [_FrozenPrefixLayer(layer.keys, layer.values) for layer in cache.layers]
-    return cache, [m for m in checkpointing if hasattr(m, "_can_checkpoint_with_cache")], out.logits.sum()
+    readers = [m for m in checkpointing if hasattr(m, "_can_checkpoint_with_cache")]
+    for m in readers:  # the frozen prefix is read, never written: safe to replay under checkpointing
+        m._can_checkpoint_with_cache = True
+    try:
+        yield cache, out.logits.sum()
+    finally:
+        for m in readers:
+            del m._can_checkpoint_with_cache  # back to the class default
 
 
 def compute_logprobs_and_entropy(
@@ -294,21 +318,16 @@ def compute_logprobs_and_entropy(
         first = input_ids.shape[1] - response_length - 1
         sources = (first + torch.arange(response_length, device=input_ids.device)).expand(len(labels), -1)
     prefix = shared_prefix_length(input_ids, sources, valid) if aligned is not None and share_prefix else 0
-    cache, readers, anchor = None, [], None
+    prefix_run: contextlib.AbstractContextManager = contextlib.nullcontext((None, None))
     if prefix:
-        cache, readers, anchor = _prefix_cache(model, head, input_ids[:1, :prefix], position_ids[:1, :prefix])
-        input_ids, position_ids, sources = input_ids[:, prefix:], position_ids[:, prefix:], sources - prefix
-    model.lm_head = ChunkedResponseHead(head, labels, valid, sources, chunk_size, temperature, calc_entropy,
-                                         entropy_grad, head_fp32)
-    for m in readers:  # the frozen prefix is read, never written: safe to replay under checkpointing
-        m._can_checkpoint_with_cache = True
-    try:
-        out: Any = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=cache, use_cache=False)
-    finally:
-        model.lm_head = head
-        for m in readers:
-            del m._can_checkpoint_with_cache  # back to the class default
+        prefix_run = shared_prefix_cache(model, input_ids[:1, :prefix], position_ids[:1, :prefix])
+    with prefix_run as (cache, anchor):
+        if prefix:
+            input_ids, position_ids, sources = input_ids[:, prefix:], position_ids[:, prefix:], sources - prefix
+        with head_swapped(model, ChunkedResponseHead(head, labels, valid, sources, chunk_size, temperature,
+                                                     calc_entropy, entropy_grad, head_fp32)):
+            out: Any = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=cache, use_cache=False)
     packed = out.logits if hasattr(out, "logits") else out[0]
     if anchor is not None:
         packed = packed + anchor

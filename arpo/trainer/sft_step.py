@@ -11,13 +11,14 @@ loss on one rank, where the factor is 1).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 
 from arpo.trainer.fsdp_worker import ActorWorker
-from arpo.trainer.logprobs import _AnchorHead
+from arpo.trainer.logprobs import head_swapped, shared_prefix_cache
 
 #: AdamW betas of the cold-start SFT (as ARPO's SFT recipe)
 SFT_BETAS = (0.9, 0.95)
@@ -51,32 +52,22 @@ def masked_lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     batch; ``anchor`` is a zero to add to the loss when a shared prefix ran (else None).
 
     ``shared_prefix`` > 0: the first ``shared_prefix`` tokens are the same in every row (the system prompt) and
-    untrained; they run once and their key/value cache is repeated over the batch. The prefix pass goes through
-    the model's root forward too (its head replaced by a zero, the anchor, that puts the pass in the loss's
-    graph) so that FSDP2 gathers and reduces its parameters as for any forward."""
-    head = model.lm_head
-    cache, anchor = None, None
+    untrained; they run once and every row reads their keys and values (the RL log-probs'
+    :func:`~arpo.trainer.logprobs.shared_prefix_cache`)."""
+    prefix_run: contextlib.AbstractContextManager = contextlib.nullcontext((None, None))
     if shared_prefix:
         if not bool((labels[:, : shared_prefix + 1] == -100).all()):
             raise ValueError("shared_prefix covers trained tokens; it must end inside the masked prompt")
         if not bool((input_ids[:, :shared_prefix] == input_ids[:1, :shared_prefix]).all()):
             raise ValueError("shared_prefix covers tokens that differ between rows")
-        model.lm_head = _AnchorHead()
-        try:
-            prefix = model(input_ids=input_ids[:1, :shared_prefix], use_cache=True)
-        finally:
-            model.lm_head = head
-        cache, anchor = prefix.past_key_values, prefix.logits.sum()
-        cache.batch_repeat_interleave(input_ids.shape[0])
+        positions = torch.arange(shared_prefix, device=input_ids.device).unsqueeze(0)
+        prefix_run = shared_prefix_cache(model, input_ids[:1, :shared_prefix], positions)
+    with prefix_run as (cache, anchor):
         input_ids, labels = input_ids[:, shared_prefix:], labels[:, shared_prefix:]
-    targets = labels[:, 1:]
-    keep = targets != -100
-    model.lm_head = _TrainedPositionsHead(head, keep)
-    try:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-                    use_cache=cache is not None)
-    finally:
-        model.lm_head = head
+        targets = labels[:, 1:]
+        keep = targets != -100
+        with head_swapped(model, _TrainedPositionsHead(model.lm_head, keep)):
+            out = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=False)
     return out.logits, targets[keep], anchor
 
 

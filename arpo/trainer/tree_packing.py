@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from arpo.batch import DataBatch
-from arpo.trainer.logprobs import DEFAULT_CHUNK_SIZE, ChunkedResponseHead
+from arpo.trainer.logprobs import DEFAULT_CHUNK_SIZE, ChunkedResponseHead, head_swapped
 from arpo.trainer.tree_attention import TREE_SDPA, TreeSegment, tree_segments
 
 logger = logging.getLogger(__name__)
@@ -217,16 +217,13 @@ def packed_logprobs_and_entropy(model: nn.Module, group: PackedGroup, response_l
     ids = group.input_ids.to(dev)
     chunked = ChunkedResponseHead(head, ids[response][None], needed[None], group.pred_index.to(dev)[response][None],
                                   chunk_size, temperature, calc_entropy, entropy_grad, head_fp32)
-    model.lm_head = chunked
     if getattr(model.config, "_attn_implementation", None) == TREE_SDPA:  # each segment against its own keys
         attention = {"tree_segments": [seg.to(dev) for seg in group.segments]}
     else:
         attention = {"attention_mask": _attention_mask(model, group.allowed.to(dev), torch.float32)}
-    try:
+    with head_swapped(model, chunked):
         out = model(input_ids=ids[None], position_ids=group.position_ids.to(dev)[None], use_cache=False,
                     **attention)
-    finally:
-        model.lm_head = head
     packed = (out.logits if hasattr(out, "logits") else out[0])[0]  # (response tokens, [log-prob, entropy])
     per_row = torch.where(in_row[..., None], packed[slot], torch.zeros((), dtype=packed.dtype, device=dev))
     per_row = torch.nn.functional.pad(per_row, (0, 0, 0, response_length - width))
