@@ -242,7 +242,11 @@ def shared_prefix_cache(model: nn.Module, input_ids: torch.Tensor,
     The prefix runs once through the model's root forward (its head an :class:`_AnchorHead`), so wrappers such
     as FSDP2 gather and reduce its parameters as for any forward; the anchor puts that pass in the loss's graph.
     Under autograd the prefix's activations are kept (one row): gradients of every row's loss flow back through
-    its keys and values. Gradient checkpointing may replay the block's layers: they only read the cache."""
+    its keys and values. Gradient checkpointing may replay the block's layers: they only read the cache.
+    An empty prefix (no columns) runs nothing and gives ``(None, None)``."""
+    if input_ids.shape[1] == 0:
+        yield None, None
+        return
     checkpointing = _checkpointing_modules(model)
     for m in checkpointing:  # the prefix pass must return its cache (HF drops it under checkpointing)
         m.gradient_checkpointing = False
@@ -318,12 +322,8 @@ def compute_logprobs_and_entropy(
         first = input_ids.shape[1] - response_length - 1
         sources = (first + torch.arange(response_length, device=input_ids.device)).expand(len(labels), -1)
     prefix = shared_prefix_length(input_ids, sources, valid) if aligned is not None and share_prefix else 0
-    prefix_run: contextlib.AbstractContextManager = contextlib.nullcontext((None, None))
-    if prefix:
-        prefix_run = shared_prefix_cache(model, input_ids[:1, :prefix], position_ids[:1, :prefix])
-    with prefix_run as (cache, anchor):
-        if prefix:
-            input_ids, position_ids, sources = input_ids[:, prefix:], position_ids[:, prefix:], sources - prefix
+    with shared_prefix_cache(model, input_ids[:1, :prefix], position_ids[:1, :prefix]) as (cache, anchor):
+        input_ids, position_ids, sources = input_ids[:, prefix:], position_ids[:, prefix:], sources - prefix
         with head_swapped(model, ChunkedResponseHead(head, labels, valid, sources, chunk_size, temperature,
                                                      calc_entropy, entropy_grad, head_fp32)):
             out: Any = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

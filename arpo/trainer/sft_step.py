@@ -11,7 +11,6 @@ loss on one rank, where the factor is 1).
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -54,15 +53,13 @@ def masked_lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     ``shared_prefix`` > 0: the first ``shared_prefix`` tokens are the same in every row (the system prompt) and
     untrained; they run once and every row reads their keys and values (the RL log-probs'
     :func:`~arpo.trainer.logprobs.shared_prefix_cache`)."""
-    prefix_run: contextlib.AbstractContextManager = contextlib.nullcontext((None, None))
     if shared_prefix:
         if not bool((labels[:, : shared_prefix + 1] == -100).all()):
             raise ValueError("shared_prefix covers trained tokens; it must end inside the masked prompt")
         if not bool((input_ids[:, :shared_prefix] == input_ids[:1, :shared_prefix]).all()):
             raise ValueError("shared_prefix covers tokens that differ between rows")
-        positions = torch.arange(shared_prefix, device=input_ids.device).unsqueeze(0)
-        prefix_run = shared_prefix_cache(model, input_ids[:1, :shared_prefix], positions)
-    with prefix_run as (cache, anchor):
+    positions = torch.arange(shared_prefix, device=input_ids.device).unsqueeze(0)
+    with shared_prefix_cache(model, input_ids[:1, :shared_prefix], positions) as (cache, anchor):
         input_ids, labels = input_ids[:, shared_prefix:], labels[:, shared_prefix:]
         targets = labels[:, 1:]
         keep = targets != -100
