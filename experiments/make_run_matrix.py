@@ -13,7 +13,8 @@ compared with OTHER on the same cold start); OTHER's first seed must have traine
 Writes under ``--results``: ``matrix.csv`` (seed, setting, before, after, gain, ci_low, ci_high, per cell),
 ``per_kind.csv`` (the same per question kind, from the validation records and the validation parquet's
 ``ability``), ``cells.json`` (each cell's command, environment, git SHA, machine, SFT summary and timings) and
-``matrix.png``. Prints the matrix's summary as JSON.
+``matrix.png``. Prints the matrix's summary as JSON. Cells already in ``--results`` that this ``--out`` has no
+finished cell for are kept, so cells run on different machines gather into one matrix.
 
     python experiments/make_run_matrix.py --out outputs/matrix --seeds 0 1 2 \\
         --settings default= mkl_compatible=MKL_CBWR=COMPATIBLE aten_default=ATEN_CPU_CAPABILITY=default
@@ -156,7 +157,7 @@ def validation_by_kind(cell: Path, summary: dict) -> dict[str, dict]:
 
 
 def collect(out: Path, results: Path, settings: list[Setting], seeds: list[int]) -> dict:
-    """matrix.csv, per_kind.csv, cells.json and matrix.png from every finished cell."""
+    """matrix.csv, per_kind.csv, cells.json and matrix.png from every finished cell and the earlier results' other cells."""
     rows, kind_rows, cells = [], [], []
     for setting in settings:
         for seed in seeds:
@@ -176,6 +177,9 @@ def collect(out: Path, results: Path, settings: list[Setting], seeds: list[int])
                           "seed": seed, "machine": summary.get("machine"), "sft": summary.get("sft"),
                           "stage_timings_s": summary.get("stage_timings_s"), "wall_s": summary.get("wall_s"),
                           "reward": summary["validation_gain"]["score"]})
+    here = {(r["setting"], r["seed"]) for r in rows}
+    rows, kind_rows, cells = (kept_from(results, name, here) + table for name, table in
+                              (("matrix.csv", rows), ("per_kind.csv", kind_rows), ("cells.json", cells)))
     results.mkdir(parents=True, exist_ok=True)
     for name, columns, table in (("matrix.csv", MATRIX_COLUMNS, rows), ("per_kind.csv", KIND_COLUMNS, kind_rows)):
         with open(results / name, "w", newline="") as f:
@@ -186,6 +190,21 @@ def collect(out: Path, results: Path, settings: list[Setting], seeds: list[int])
     if rows:
         plot_matrix(rows, results / "matrix.png")
     return summarize(rows, kind_rows)
+
+
+def kept_from(results: Path, name: str, here: set[tuple[str, int]]) -> list[dict]:
+    """The rows of an earlier ``results/name`` whose cell (setting, seed) this collection has no finished cell for:
+    a matrix gathers cells run on several machines, each machine's outputs holding only its own."""
+    path = results / name
+    if not path.is_file():
+        return []
+    if name.endswith(".json"):
+        old = json.loads(path.read_text())
+    else:
+        with open(path, newline="") as f:
+            old = [{k: v if k in ("setting", "kind") else (int(v) if k in ("seed", "n") else float(v))
+                    for k, v in r.items()} for r in csv.DictReader(f)]
+    return [r for r in old if (r["setting"], int(r["seed"])) not in here]
 
 
 def summarize(rows: list[dict], kind_rows: list[dict]) -> dict:

@@ -112,3 +112,25 @@ def test_records_out_of_parquet_order_stop_the_tables(tmp_path):
         cell / "data" / "synthetic" / "val.parquet")
     with pytest.raises(SystemExit, match="ground truth is not val.parquet row 0"):
         mrm.collect(tmp_path, tmp_path, [mrm.Setting("default")], [0])
+
+
+def test_collect_keeps_earlier_results_cells_run_elsewhere_and_replaces_rerun_ones(tmp_path):
+    default, amx = mrm.Setting("default"), mrm.Setting("avx512_amx")
+    elsewhere, here = tmp_path / "machine_a", tmp_path / "machine_b"
+    fake_cell(mrm.cell_dir(elsewhere, default, 0), [0] * 6, [1] * 6)
+    fake_cell(mrm.cell_dir(elsewhere, default, 1), [0] * 6, [0, 0, 0, 1, 1, 1])
+    results = tmp_path / "results"
+    mrm.collect(elsewhere, results, [default], [0, 1])
+    # another machine holds only its own cells and a rerun of default seed 1
+    fake_cell(mrm.cell_dir(here, amx, 0), [0] * 6, [1, 1, 1, 1, 0, 0])
+    fake_cell(mrm.cell_dir(here, default, 1), [0] * 6, [1, 1, 1, 1, 1, 0])
+    out = mrm.collect(here, results, [default, amx], [0, 1])
+    rows = list(csv.DictReader(open(results / "matrix.csv")))
+    assert [(r["setting"], r["seed"], r["gain"]) for r in rows] == [
+        ("default", "0", "1.0"), ("default", "1", "0.8333"), ("avx512_amx", "0", "0.6667")]
+    kinds = list(csv.DictReader(open(results / "per_kind.csv")))
+    assert sorted((r["setting"], r["seed"]) for r in kinds) == sorted(
+        [("default", "0")] * 3 + [("default", "1")] * 3 + [("avx512_amx", "0")] * 3)
+    cells = json.loads((results / "cells.json").read_text())
+    assert [(c["setting"], c["seed"]) for c in cells] == [("default", 0), ("default", 1), ("avx512_amx", 0)]
+    assert out["cells"] == 3 and out["worst_cell"]["setting"] == "avx512_amx"
