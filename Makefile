@@ -14,7 +14,7 @@ install:
 	@bash scripts/install_stamp.sh ensure $(VENV)
 
 # The real-model reproduction (SmolLM2-135M-Instruct): convert, SFT, ARPO, validation before/after with the gain's
-# 95% CI as the last line (outputs/smollm2_arpo; 1-2 h on 2 cores). ARGS passes overrides or --output-dir.
+# 95% CI as the last line (outputs/smollm2_arpo; 2 cores: ~30 min with AVX-512/AMX, 1.5-2 h AVX2-only). ARGS passes overrides or --output-dir.
 run: install
 	$(PY) -m arpo.pipeline --preset smollm2 $(ARGS)
 
