@@ -157,7 +157,7 @@ def validation_by_kind(cell: Path, summary: dict) -> dict[str, dict]:
 
 
 def collect(out: Path, results: Path, settings: list[Setting], seeds: list[int]) -> dict:
-    """matrix.csv, per_kind.csv, cells.json and matrix.png from every finished cell and the earlier results' other cells."""
+    """matrix.csv, per_kind.csv, cells.json and matrix.png from every finished cell and the results' other cells."""
     rows, kind_rows, cells = [], [], []
     for setting in settings:
         for seed in seeds:
