@@ -86,6 +86,8 @@ GLOSSARY: tuple[MetricEntry, ...] = (
     MetricEntry("rollout/branches", _ROLLOUT, "forks made (trajectories started from a parent's tool result)"),
     MetricEntry("rollout/branch_points", _ROLLOUT, "branching decisions taken (tool calls where a fork was "
                 "considered)"),
+    MetricEntry("rollout/branch_wants", _ROLLOUT, "fork candidates the branching rule said yes to, whether or not "
+                "the budget M had a slot left (wants / branch_points: the rule's fork rate)"),
     MetricEntry("rollout/branch_points_damped", _ROLLOUT, "decisions damped by AEPO's consecutive-fork penalty"),
     MetricEntry("rollout/branch_decisions_waited", _ROLLOUT, "decisions that waited for their turn in the fixed "
                 "grant order"),

@@ -246,11 +246,9 @@ class Pipeline:
             check_sft_file(self.overrides)
 
     def _generate_data(self) -> None:
-        from arpo.data.synthetic import generate
+        from arpo.data.synthetic import generate_from_config
 
-        s = self.config("synthetic_data").synthetic
-        generate(s.out_dir, seed=s.seed, sizes=dict(s.sizes), mix=dict(s.mix), two_hop_fraction=s.two_hop_fraction,
-                 world_sizes=dict(s.world), agent_name=s.agent_name)
+        generate_from_config(self.config("synthetic_data").synthetic)
 
     def _build_base(self) -> None:
         if self.preset.base_model == TINY:

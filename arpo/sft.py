@@ -74,8 +74,12 @@ def _guess(rng: random.Random, answer: str) -> str:
 
 def build_demonstration(question: str, answer: str, plan: list[dict], tools: Mapping[str, BaseTool],
                         rng: random.Random, skip_tool_prob: float, wrong_tool_prob: float,
-                        verbose_think: bool = False) -> tuple[list[Segment], str]:
+                        verbose_think: bool = False, wrong_pick_prob: float = 0.0) -> tuple[list[Segment], str]:
     """Turn a gold plan into protocol text with real tool results. Returns (segments, demo kind).
+
+    ``wrong_pick_prob``: a gold demonstration of a plan with a step that has ``alternatives`` (the ``pick``
+    kind's wrong entries) takes one of them instead, ending on its answer (demo kind ``wrong_pick``). Plans
+    without alternatives draw nothing more, so their demonstrations stay what they were.
 
     ``verbose_think``: each ``<think>`` restates the query it is about to run and the fact the last result gave
     (free text copied from the question/results). Off: short fixed thoughts ("I will search."), so the only
@@ -105,6 +109,11 @@ def build_demonstration(question: str, answer: str, plan: list[dict], tools: Map
         segs.append(Segment(f" <think> I will guess. </think> <answer> The final answer is \\boxed{{ {_guess(rng, answer)} }} </answer>", True))
         return segs, mode
     steps = plan if mode == "gold" else plan[:-1]
+    picked = next((i for i, step in enumerate(steps) if step.get("alternatives")), None)
+    if mode == "gold" and picked is not None and rng.random() < wrong_pick_prob:
+        alt = rng.choice(steps[picked]["alternatives"])
+        steps = [*steps[:picked], {**steps[picked], "content": alt["content"]}, *steps[picked + 1:]]
+        mode, answer = "wrong_pick", alt["answer"]
     prefix = ""
     for i, step in enumerate(steps):
         if verbose_think:
@@ -115,11 +124,12 @@ def build_demonstration(question: str, answer: str, plan: list[dict], tools: Map
         segs.append(_call(think if i == 0 else f" {think}", step["tool"], step["content"], tools))
         segs.append(_result(step["tool"], step["content"], tools))
         prefix = step["finding"] + " " if verbose_think else ""
-    final = answer if mode == "gold" else _guess(rng, answer)
+    guessed = mode == "skip"
+    final = _guess(rng, answer) if guessed else answer
     if verbose_think:
-        closing = prefix.strip() if mode == "gold" else (prefix + "I will guess the rest.").strip()
+        closing = (prefix + "I will guess the rest.").strip() if guessed else prefix.strip()
     else:
-        closing = "I have the answer." if mode == "gold" else "I will guess the rest."
+        closing = "I will guess the rest." if guessed else "I have the answer."
     lead = " " if steps else ""
     segs.append(Segment(f"{lead}<think> {closing} </think> <answer> The final answer is \\boxed{{ {final} }} </answer>", True))
     return segs, mode
@@ -153,7 +163,8 @@ def tokenize_demonstration(tokenizer, messages: list[dict], segments: Sequence[S
 
 def iter_demonstrations(df: pd.DataFrame, tokenizer, tools: Mapping[str, BaseTool], seed: int,
                         skip_tool_prob: float, wrong_tool_prob: float, num_workers: int = 8,
-                        verbose_think: bool = False) -> Iterator[tuple[tuple[list[int], list[int]], str]]:
+                        verbose_think: bool = False,
+                        wrong_pick_prob: float = 0.0) -> Iterator[tuple[tuple[list[int], list[int]], str]]:
     """``((ids, mask), demo kind)`` for every row, in row order, while a thread pool runs the tools ahead (each
     call is a sandboxed subprocess or an index lookup). Closing the iterator early cancels the calls not started."""
     from concurrent.futures import ThreadPoolExecutor
@@ -164,7 +175,8 @@ def iter_demonstrations(df: pd.DataFrame, tokenizer, tools: Mapping[str, BaseToo
         rng = random.Random(f"{seed}-{i}")
         plan = json.loads(row.extra_info["plan"])
         segs, mode = build_demonstration(row.extra_info["question"], str(row.reward_model["ground_truth"]),
-                                         plan, tools, rng, skip_tool_prob, wrong_tool_prob, verbose_think)
+                                         plan, tools, rng, skip_tool_prob, wrong_tool_prob, verbose_think,
+                                         wrong_pick_prob)
         return tokenize_demonstration(tokenizer, list(row.prompt), segs), mode
 
     with ThreadPoolExecutor(max(1, num_workers)) as pool:
@@ -196,7 +208,7 @@ class DemonstrationStream:
             if len(ids) > self.max_length:
                 self.modes["too_long"] += 1
                 continue
-            self.modes[mode] += 1
+            self.modes[mode] = self.modes.get(mode, 0) + 1
             self.examples.append((ids, mask))
             yield ids, mask
         self.done = True
@@ -381,6 +393,10 @@ def validate_sft_config(s) -> None:
                           f"the batch in one forward) or rows >= 1")
     if not isinstance(s.save_freq, int) or isinstance(s.save_freq, bool) or s.save_freq < 0:
         raise ConfigError(f"sft.save_freq={s.save_freq!r} is not valid; use 0 (only at the end) or steps > 0")
+    for key in ("skip_tool_prob", "wrong_tool_prob", "wrong_pick_prob"):
+        p = s.demo[key]
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 <= p <= 1:
+            raise ConfigError(f"sft.demo.{key}={p!r} is not valid; use a probability in [0, 1]")
     if s.resume_mode not in ("auto", "disable"):
         raise ConfigError(f"sft.resume_mode={s.resume_mode!r} is not valid; choose auto or disable")
     try:
@@ -422,7 +438,7 @@ def run_sft(cfg) -> Path:
         if s.max_samples and len(df) > s.max_samples:
             df = df.iloc[: s.max_samples]
         demos = iter_demonstrations(df, tokenizer, tools, s.seed, s.demo.skip_tool_prob, s.demo.wrong_tool_prob,
-                                    s.tool_workers, s.demo.verbose_think)
+                                    s.tool_workers, s.demo.verbose_think, s.demo.wrong_pick_prob)
         stream, n_rows = DemonstrationStream(demos, s.max_length), len(df)
     else:
         tools = {}

@@ -20,6 +20,8 @@ Suites (every variant: same data, steps, seeds and budget M = ``actor_rollout_re
   advantage, ``adv_estimator=tree_grpo``).
 - ``baselines``: the paper's RL baselines, each a preset (``configs/preset/``): GRPO (the baseline), DAPO,
   REINFORCE++, PPO with a critic and ARPO.
+- ``premise_holds``: GRPO vs ARPO vs random branching on a task where ARPO's premise holds by construction, per
+  ambiguity level, the premise probed at the SFT model (its own driver and options: ``experiments/premise_holds.py``).
 - ``lora``: ARPO (soft advantage) training every weight (the baseline) vs LoRA adapters of rank 16 on every linear
   layer (``actor_rollout_ref.model.lora_rank=16``, ``lora_alpha=32``: the usual alpha = 2 x rank) at 10x the
   learning rate (1e-4 against the configs' 1e-5, the tiny and SmolLM2 presets' alike): adapters start at zero
@@ -93,6 +95,9 @@ ROLLOUT_KEY = "actor_rollout_ref.rollout.arpo"
 SMOKE_OVERRIDES = ("trainer.total_training_steps=2", "trainer.test_freq=2", "data.val_max_samples=8",
                    "trainer.n_gpus_per_node=1", "trainer.logger=[console,jsonl]")
 SMOKE_DUMP_PROMPTS = 4
+#: the study of experiments/premise_holds.py (a task per ambiguity level, the premise probed, a calibrated
+#: random-branching control), run through this entry point
+PREMISE_HOLDS = "premise_holds"
 #: training processes in flight (stopped on Ctrl-C)
 _RUNNING: set[subprocess.Popen] = set()
 #: set before stop_running looks at _RUNNING, so a run registered after that look stops itself
@@ -272,7 +277,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Keys after -- go to every run (python -m arpo.main_arpo).")
-    parser.add_argument("--suite", required=True, choices=sorted(SUITES))
+    parser.add_argument("--suite", required=True, choices=sorted(SUITES) + [PREMISE_HOLDS],
+                        help=f"{PREMISE_HOLDS}: its own options, see --suite {PREMISE_HOLDS} --help")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--variants", nargs="+", default=None,
                         help="train only these of the suite's variants (default: all; the baseline is always "
@@ -352,8 +358,23 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt  # SIGTERM (kill, a job scheduler) stops cleanly as Ctrl-C does: no orphaned run
 
 
+def requested_suite(argv: Sequence[str]) -> str | None:
+    """The ``--suite`` named before ``--`` (None: none)."""
+    own = list(argv)[: list(argv).index("--")] if "--" in argv else list(argv)
+    for i, arg in enumerate(own):
+        if arg == "--suite" and i + 1 < len(own):
+            return own[i + 1]
+        if arg.startswith("--suite="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if requested_suite(argv) == PREMISE_HOLDS:  # its own driver: levels, a probe per level, a calibrated control
+        from experiments.premise_holds import main as premise_holds
+
+        return premise_holds(argv)
     args, extra = parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)
     _STOPPING.clear()

@@ -76,7 +76,7 @@ def prepare(work: Path, preset: str, overrides: list[str]) -> dict:
         if s.max_samples and len(df) > s.max_samples:
             df = df.iloc[: s.max_samples]
         demos = iter_demonstrations(df, tokenizer, tools, s.seed, s.demo.skip_tool_prob, s.demo.wrong_tool_prob,
-                                    s.tool_workers, s.demo.verbose_think)
+                                    s.tool_workers, s.demo.verbose_think, s.demo.wrong_pick_prob)
         examples = DemonstrationStream(demos, s.max_length).collect()
         for tool in tools.values():
             tool.close()

@@ -46,7 +46,7 @@ def test_notebook_draws_every_figure_from_the_committed_smollm2_ablation(monkeyp
     nb = _execute(REPO_ROOT / "experiments" / "results" / "smollm2_advantage", monkeypatch)
     cells = _outputs(nb)
     assert not any(o.output_type == "error" for outputs in cells for o in outputs)
-    setup, curves, table, entropy, branching, soft_hard, premise = cells[1:]
+    setup, curves, table, entropy, branching, soft_hard, premise, premise_holds = cells[1:]
     assert "variants ['arpo_hard', 'arpo_soft', 'grpo'], seeds [0, 1, 2]" in _text(setup)
     assert _images(curves) == 1
     assert any("Val reward" in o.get("data", {}).get("text/markdown", "") for o in table)
@@ -57,6 +57,12 @@ def test_notebook_draws_every_figure_from_the_committed_smollm2_ablation(monkeyp
     # the committed premise study: one figure per probe and the premise table
     assert _images(premise) == len(list((REPO_ROOT / "experiments" / "results" / "premise").glob("*.json")))
     assert any("after - before" in o.get("data", {}).get("text/html", "") for o in premise)
+    # the committed premise_holds study: its figures, or the line saying how to make it
+    committed = REPO_ROOT / "experiments" / "results" / "premise_holds"
+    if (committed / "gain_vs_premise.png").is_file():
+        assert _images(premise_holds) == 2
+    else:
+        assert "python experiments/ablation.py --suite premise_holds" in _text(premise_holds)
 
 
 @pytest.mark.slow
@@ -64,7 +70,7 @@ def test_notebook_reads_the_smoke_ablations_fresh_results(smoke_ablation, monkey
     nb = _execute(smoke_ablation["out"], monkeypatch)
     cells = _outputs(nb)
     assert not any(o.output_type == "error" for outputs in cells for o in outputs)
-    setup, curves, table, entropy, branching, soft_hard, premise = cells[1:]
+    setup, curves, table, entropy, branching, soft_hard, premise, _ = cells[1:]
     assert "variants ['arpo_hard', 'grpo'], seeds [3]" in _text(setup)
     assert _images(premise) >= 1  # the probe on the fresh rollout dumps
     assert _images(curves) == 1 and _images(entropy) == 1 and _images(branching) == 1
@@ -73,10 +79,21 @@ def test_notebook_reads_the_smoke_ablations_fresh_results(smoke_ablation, monkey
     assert _images(soft_hard) == 0 and "needs the arpo_soft and arpo_hard variants" in _text(soft_hard)
 
 
-def test_notebook_without_runs_says_what_to_do(tmp_path, monkeypatch):
+def test_notebook_without_runs_says_what_to_do_and_draws_a_premise_holds_folder(tmp_path, monkeypatch):
+    from experiments.premise_holds_results import collect
+    from tests.test_premise_holds import _write_cell
+
+    study = tmp_path / "premise_holds"
+    for method, final in (("grpo", {q: float(q % 2) for q in range(10)}), ("arpo", {q: 1.0 for q in range(10)})):
+        _write_cell(study, 2, method, 0, final, 3.0, 4.0)
+    collect(study, "header", smoke=False)
+    monkeypatch.setenv("ARPO_PREMISE_HOLDS_DIR", str(study))
     nb = _execute(tmp_path / "absent", monkeypatch)
     cells = _outputs(nb)
-    text = "".join(_text(outputs) for outputs in cells)
+    text = "".join(_text(outputs) for outputs in cells[:-1])
     assert "No training metrics" in text and "experiments/ablation.py" in text
     assert not any(o.output_type == "error" for outputs in cells for o in outputs)
-    assert sum(_images(outputs) for outputs in cells) == 0
+    assert sum(_images(outputs) for outputs in cells[:-1]) == 0
+    # the premise_holds section: the pooled comparison and every cell's figure from the given folder
+    assert _images(cells[-1]) == 1
+    assert any("arpo - grpo" in o.get("data", {}).get("text/html", "") for o in cells[-1])

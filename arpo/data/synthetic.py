@@ -13,7 +13,11 @@ companies; each entity is one document of the search corpus. Question kinds (``d
 * ``compare`` — two looked-up numbers combined in Python ("How many more employees does Trivex have than
   Trivex Labs?"); the answer is in no document;
 * ``chain_math`` — a 2-hop lookup whose number goes into Python ("What is the birth year of the founder of
-  Trivex multiplied by 7?").
+  Trivex multiplied by 7?");
+* ``pick`` — one of ``synthetic.candidates`` towns sharing a name, picked from a search page by its country, its
+  population fed into Python ("What is the population of the town of Kora in Zorvia multiplied by 7?"): ARPO's
+  premise by construction, the decision right after a tool result (:mod:`arpo.data.synthetic_namesakes`,
+  ``synthetic=premise``).
 
 The first three are easy for a pretrained model after a short SFT; the last three (and near-namesake
 distractor entities, ``synthetic.world.distractor_fraction``) leave it headroom for RL. Every row stores its
@@ -36,10 +40,11 @@ from typing import Any, Mapping, NoReturn
 
 import pandas as pd
 
-from arpo.data.synthetic_questions import EASY_KINDS, HARD_KINDS, KINDS, make_question
+from arpo.data.synthetic_namesakes import build_namesakes, check_candidates
+from arpo.data.synthetic_questions import EASY_KINDS, HARD_KINDS, KINDS, PREMISE_KINDS, make_question
 from arpo.data.synthetic_world import World, add_distractors, build_world, fact_index, sentences, world_documents
 
-__all__ = ["EASY_KINDS", "HARD_KINDS", "KINDS", "SYSTEM_PROMPT", "World", "build_world", "generate", "make_rows",
+__all__ = ["EASY_KINDS", "HARD_KINDS", "KINDS", "SYSTEM_PROMPT", "World", "build_world", "generate", "generate_from_config", "make_rows",
            "make_world", "world_documents"]
 
 logger = logging.getLogger(__name__)
@@ -59,7 +64,8 @@ _DEFAULT_SIZES = {"train": 2000, "val": 64, "test": 128}
 _DEFAULT_MIX = {"search": 0.4, "python": 0.3, "both": 0.3}
 # synthetic.world.* -> default (for callers that pass only part of it)
 _WORLD_DEFAULTS: dict[str, Any] = {"num_countries": 24, "cities_per_country": 3, "num_people": 120,
-                                   "num_companies": 60, "distractor_fraction": 0.0, "page_chars": 0}
+                                   "num_companies": 60, "distractor_fraction": 0.0, "page_chars": 0,
+                                   "namesake_groups": 0}
 
 
 def _config_error(message: str) -> NoReturn:
@@ -69,7 +75,7 @@ def _config_error(message: str) -> NoReturn:
 
 
 def _check_config(sizes: Mapping[str, int], mix: Mapping[str, float], two_hop_fraction: float,
-                  world: Mapping[str, Any]) -> None:
+                  world: Mapping[str, Any], candidates: Any = 1) -> None:
     """One line naming the bad ``synthetic.*`` key and the fix, before anything is written."""
     for key, table, allowed in (("sizes", sizes, _SPLITS), ("mix", mix, KINDS), ("world", world, _WORLD_DEFAULTS)):
         for k in table:
@@ -92,10 +98,16 @@ def _check_config(sizes: Mapping[str, int], mix: Mapping[str, float], two_hop_fr
         if k == "distractor_fraction":
             ok, need = _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"
         else:
-            low = 0 if k == "page_chars" else 1
+            low = 0 if k in ("page_chars", "namesake_groups") else 1
             ok, need = _is_int(v) and v >= low, f"an integer >= {low}"
         if not ok:
             _config_error(f"synthetic.world.{k}={v!r}: must be {need}")
+    try:
+        check_candidates(candidates)
+    except ValueError as e:
+        _config_error(str(e))
+    if mix.get("pick", 0) > 0 and not world.get("namesake_groups"):
+        _config_error("synthetic.mix.pick > 0 needs namesake towns: set synthetic.world.namesake_groups > 0")
 
 
 def _is_int(v: Any) -> bool:
@@ -106,11 +118,18 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def make_world(seed: int, world: Mapping[str, Any] | None = None) -> World:
-    """The world ``generate`` writes for ``synthetic.world`` (missing keys take their defaults)."""
+def make_world(seed: int, world: Mapping[str, Any] | None = None, candidates: Any = 1) -> World:
+    """The world ``generate`` writes for ``synthetic.world`` and ``synthetic.candidates`` (missing keys take their
+    defaults)."""
     w = {**_WORLD_DEFAULTS, **(world or {})}
     base = build_world(seed, w["num_countries"], w["cities_per_country"], w["num_people"], w["num_companies"])
-    return add_distractors(base, seed, w["distractor_fraction"])
+    world_ = add_distractors(base, seed, w["distractor_fraction"])
+    if w["namesake_groups"]:
+        try:
+            world_.namesakes = build_namesakes(world_, seed, w["namesake_groups"], candidates)
+        except ValueError as e:
+            _config_error(str(e))
+    return world_
 
 
 def _usable(kind: str, answer: str, plan: list[dict], facts: Mapping[str, tuple[str, int]],
@@ -119,7 +138,7 @@ def _usable(kind: str, answer: str, plan: list[dict], facts: Mapping[str, tuple[
     copyable from it. ``page_chars`` > 0: every fact a search step needs must end within that many characters
     of its page, or the tool's cut page would hide it. A number computed from found ones (``compare``,
     ``chain_math``) must not stand in any page the plan reads, or one result would give the answer away."""
-    computed = kind in ("compare", "chain_math")
+    computed = kind in ("compare", "chain_math", "pick")
     if not page_chars and not computed:
         return True
     pages = []
@@ -159,7 +178,7 @@ def make_rows(world: World, n: int, mix: Mapping[str, float], split: str, seed: 
         if q in seen:
             # A hard kind is redrawn in its kind, so that its smaller pool of distinct questions does not shrink
             # its share of the mix; an easy kind draws a fresh kind, the rule the default preset's files follow.
-            kind = drawn if drawn in HARD_KINDS else ""
+            kind = drawn if drawn in HARD_KINDS + PREMISE_KINDS else ""
             continue
         seen.add(q)
         rows.append({
@@ -176,14 +195,16 @@ def make_rows(world: World, n: int, mix: Mapping[str, float], split: str, seed: 
 
 def generate(out_dir: str | Path, seed: int = 0, sizes: Mapping[str, int] | None = None,
              mix: Mapping[str, float] | None = None, two_hop_fraction: float = 0.3,
-             world_sizes: Mapping[str, Any] | None = None, agent_name: str = "tool_agent") -> dict[str, Path]:
+             world_sizes: Mapping[str, Any] | None = None, agent_name: str = "tool_agent",
+             candidates: Any = 1) -> dict[str, Path]:
     """Write ``{train,val,test}.parquet`` (+ ``test_easy.parquet`` when ``sizes["test_easy"]`` > 0) and
-    ``corpus.jsonl`` under ``out_dir``; return their paths. ``world_sizes`` is ``synthetic.world``."""
+    ``corpus.jsonl`` under ``out_dir``; return their paths. ``world_sizes`` is ``synthetic.world``,
+    ``candidates`` ``synthetic.candidates`` (towns per namesake group: an int or a list to draw from)."""
     sizes = dict(sizes or _DEFAULT_SIZES)
     mix = dict(mix or _DEFAULT_MIX)
     world_cfg = {**_WORLD_DEFAULTS, **(world_sizes or {})}
-    _check_config(sizes, mix, two_hop_fraction, world_cfg)
-    world = make_world(seed, world_cfg)
+    _check_config(sizes, mix, two_hop_fraction, world_cfg, candidates)
+    world = make_world(seed, world_cfg, candidates)
     docs = world_documents(world)
     facts = fact_index(docs)
     out = Path(out_dir)
@@ -211,15 +232,20 @@ def generate(out_dir: str | Path, seed: int = 0, sizes: Mapping[str, int] | None
     return paths
 
 
+def generate_from_config(s: Any, out_dir: str | Path | None = None) -> dict[str, Path]:
+    """:func:`generate` with every key of a ``synthetic`` config section (into ``out_dir``, default its own)."""
+    return generate(out_dir if out_dir is not None else s.out_dir, seed=s.seed, sizes=dict(s.sizes), mix=dict(s.mix),
+                    two_hop_fraction=s.two_hop_fraction, world_sizes=dict(s.world), agent_name=s.agent_name,
+                    candidates=s.get("candidates", 1))
+
+
 def main() -> None:
     from arpo.cli_help import exit_if_help
     from arpo.config import load_config  # local import: keeps this module importable without hydra
 
     exit_if_help("synthetic_data", "python -m arpo.data.synthetic", __doc__)
     cfg = load_config("synthetic_data")
-    s = cfg.synthetic
-    paths = generate(s.out_dir, seed=s.seed, sizes=dict(s.sizes), mix=dict(s.mix),
-                     two_hop_fraction=s.two_hop_fraction, world_sizes=dict(s.world), agent_name=s.agent_name)
+    paths = generate_from_config(cfg.synthetic)
     for k, p in paths.items():
         print(f"{k}: {p}")
 

@@ -11,13 +11,17 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from arpo.data.synthetic_namesakes import pick_question
 from arpo.data.synthetic_world import World
 
 #: Kinds a small model can learn quickly: one or two lookups, arithmetic, one lookup fed into arithmetic.
 EASY_KINDS = ("search", "python", "both")
 #: Kinds that need several tool calls whose results depend on each other (headroom for RL on a real model).
 HARD_KINDS = ("chain", "compare", "chain_math")
-KINDS = EASY_KINDS + HARD_KINDS
+#: Kinds whose decisive step comes right after a tool result (ARPO's premise by construction): ``pick`` chooses
+#: one of ``synthetic.candidates`` namesake towns from a search page (:mod:`arpo.data.synthetic_namesakes`)
+PREMISE_KINDS = ("pick",)
+KINDS = EASY_KINDS + HARD_KINDS + PREMISE_KINDS
 
 # fact -> (entity table, attribute, search query, finding: the document sentence that states it)
 _FACTS: dict[str, tuple[str, str, str, str]] = {
@@ -186,6 +190,10 @@ def make_question(world: World, kind: str, rng: random.Random, two_hop_fraction:
         q, a, plan = _compare_question(world, rng)
     elif kind == "chain_math":
         q, a, plan = _computed_question(world, rng, _CHAIN_MATH)
+    elif kind == "pick":
+        if not world.namesakes:
+            raise ValueError("the pick kind needs namesake towns: set synthetic.world.namesake_groups > 0")
+        q, a, plan = pick_question(world.namesakes, rng)
     else:
         raise ValueError(f"unknown question kind {kind!r}; use one of {KINDS}")
     return q, a, plan, len(plan)

@@ -38,6 +38,8 @@ class World:
     companies: dict[str, dict[str, Any]]
     #: original entity name -> its near-namesake distractor (same entity type, own attributes)
     twins: dict[str, str] = field(default_factory=dict)
+    #: towns sharing a name, one page per group (:mod:`arpo.data.synthetic_namesakes`; the ``pick`` kind)
+    namesakes: list[Any] = field(default_factory=list)
 
     def counterpart(self, name: str) -> str | None:
         """The other member of ``name``'s twin pair, or None when it has none."""
@@ -170,6 +172,7 @@ def world_documents(world: World) -> list[dict[str, str]]:
     """One search document per entity, written as plain encyclopedic sentences."""
     docs = [{"title": name, "text": template.format(n=name, **attrs)}
             for table, template in _DOC_TEMPLATES.items() for name, attrs in sorted(getattr(world, table).items())]
+    docs += [group.document() for group in world.namesakes]  # last: the other pages keep their ids
     for i, d in enumerate(docs):
         d["id"] = f"doc{i}"
         d["url"] = f"synthetic://{d['title'].replace(' ', '_')}"

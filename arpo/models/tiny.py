@@ -185,7 +185,7 @@ def build_from_config(t, data_dir: Path) -> Path:
 def main() -> None:
     from arpo.cli_help import exit_if_help
     from arpo.config import ConfigError, load_config
-    from arpo.data.synthetic import generate
+    from arpo.data.synthetic import generate_from_config
     from arpo.logging_utils import setup_logging
 
     exit_if_help("tiny_model", "python -m arpo.models.tiny", __doc__)
@@ -197,9 +197,7 @@ def main() -> None:
             raise ConfigError(f"data.synthetic_dir={data_dir} has no train.parquet: run "
                               f"`python -m arpo.data.synthetic synthetic.out_dir={data_dir}` or set "
                               f"data.generate_if_missing=true")
-        s = cfg.synthetic
-        generate(data_dir, seed=s.seed, sizes=dict(s.sizes), mix=dict(s.mix), two_hop_fraction=s.two_hop_fraction,
-                 world_sizes=dict(s.world), agent_name=s.agent_name)
+        generate_from_config(cfg.synthetic, data_dir)
     path = build_from_config(cfg.tiny_model, data_dir)
     print(f"tiny model saved to {path}")
 

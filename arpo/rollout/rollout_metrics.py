@@ -80,6 +80,8 @@ def summarize(m: RolloutMetrics, branches: list[Branch], slots: list[GroupSlots]
         "rollout/trajectories": float(len(kept)),
         "rollout/branches": float(c["branches"]),
         "rollout/branch_points": float(c["branch_points"]),
+        # fork candidates the rule said yes to, granted or not: the rule's own rate, which the budget does not cap
+        "rollout/branch_wants": float(c["branch_wants"]),
         "rollout/branch_points_damped": float(c["branch_points_damped"]),
         "rollout/branch_decisions_waited": float(sum(s.waited for s in slots)),
         # forks started before their decision's turn (schedule.speculative_forks), and those that then got no slot

@@ -246,6 +246,7 @@ class RolloutTree:
         self.m.count["branch_points"] += 1
         self.m.count["branch_points_damped"] += int(aepo_damping(self.cfg, b.streak) < 1.0)
         wants = sum(should_branch(self.cfg, delta_h, rng, b.streak) for _ in range(self.cfg.branching.beam_size - 1))
+        self.m.count["branch_wants"] += wants
         b.streak = b.streak + 1 if wants else 0  # from the draws, not the grants: the same under any schedule
         if wants == 0 or self.budgets[b.group].remaining == 0:
             return

@@ -1,0 +1,295 @@
+"""The results side of experiments/premise_holds.py: finished cells copied into ``--out/cells``, then the tables,
+figures and README made from them and from the premise probes in ``--out/probe``.
+
+- ``cells.csv``: method, level, seed, validation accuracy before and after RL, the gain with its 95% interval
+  (paired by question), tool calls, generated tokens and forks per question per step, commit, machine;
+- ``premise.csv``: per level the premise statistic after the search result (the decision) with its interval, and
+  the same after the Python result and at the controls (a random point, ``</think>``), and whether it holds;
+- ``pooled.csv``: per level each method against another (ARPO − GRPO, ARPO − random …), final accuracy paired by
+  seed and question over all seeds;
+- ``gain_vs_premise.png`` (ARPO − GRPO against ΔH, one point per level, the SmolLM2 hard benchmark's null result
+  as another), ``cells.png`` (every cell's gain), ``README.md``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from arpo import stats
+from arpo.machine import describe_machine
+
+REPO = Path(__file__).resolve().parents[1]
+CELL_COLUMNS = ("method", "level", "seed", "before", "after", "gain", "ci_low", "ci_high", "n", "tool_calls",
+                "tokens", "forks", "fork_rate", "git_sha", "machine")
+PREMISE_COLUMNS = ("level", "delta_h", "ci_low", "ci_high", "python_delta_h", "python_ci_low", "python_ci_high",
+                   "random_delta_h", "random_ci_low", "random_ci_high", "think_delta_h", "think_ci_low",
+                   "think_ci_high", "trajectories", "holds")
+POOLED_COLUMNS = ("level", "comparison", "diff", "ci_low", "ci_high", "n", "seeds")
+#: (method, baseline) pairs of pooled.csv, where both ran
+COMPARISONS = (("arpo", "grpo"), ("arpo", "random"), ("random", "grpo"), ("arpo_hard", "grpo"))
+#: the SmolLM2 hard benchmark, where the premise fails: ΔH after search of make run's SFT model on gold
+#: trajectories (the premise study) and the advantage suite's final answers (ARPO soft vs GRPO, 3 seeds)
+NULL_PROBE = REPO / "experiments" / "results" / "premise" / "smollm2_sft_demos.json"
+NULL_RUNS = REPO / "experiments" / "results" / "smollm2_advantage" / "runs"
+#: a finished run's files kept in a cell (summary and record with machine paths made repo-relative)
+FINAL_CORRECTNESS = "final_validation_acc.json"
+
+
+def cell_dest(out: Path, level: int, method: str, seed: int) -> Path:
+    return out / "cells" / f"level{level}" / method / f"seed{seed}"
+
+
+def repo_relative(text: str) -> str:
+    """``text`` with this checkout's absolute path removed, so committed files hold repo-relative paths."""
+    return text.replace(str(REPO) + "/", "").replace(str(REPO), ".")
+
+
+def copy_cell(run_dir: Path, dest: Path) -> None:
+    """A finished cell's metrics, summary (gain, final validation, machine), driver record and per-question final
+    correctness."""
+    from experiments.ablation_results import _write_final_correctness
+    from arpo import analysis
+
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(analysis.metrics_path(run_dir), dest / "metrics.jsonl")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    kept = {k: summary.get(k) for k in ("validation_gain", "final_validation", "machine")}
+    (dest / "summary.json").write_text(repo_relative(json.dumps(kept, indent=2)))
+    (dest / analysis.RUN_RECORD).write_text(repo_relative((run_dir / analysis.RUN_RECORD).read_text()))
+    _write_final_correctness(run_dir / "validation", dest / FINAL_CORRECTNESS)
+
+
+def import_cells(source: Path, out: Path) -> list[str]:
+    """Copy the finished cells of another runs folder (``source/level<K>/<method>/seed<S>``) into ``out/cells``."""
+    imported = []
+    for run in sorted(source.glob("level*/*/seed*")):
+        if (run / "summary.json").is_file():
+            level, method, seed = int(run.parents[1].name[5:]), run.parent.name, int(run.name[4:])
+            copy_cell(run, cell_dest(out, level, method, seed))
+            imported.append(f"level{level}/{method}/seed{seed}")
+    return imported
+
+
+def _metrics(cell: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (cell / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _train_rows(cell: Path) -> list[dict[str, Any]]:
+    return [r for r in _metrics(cell) if "rollout/trajectories" in r]
+
+
+def fork_rate(out: Path, level: int) -> float | None:
+    """ARPO's fork rate at ``level``: fork candidates its rule said yes to over decisions taken, summed over every
+    step of the level's finished ``arpo`` cells (None: none finished or no decision taken)."""
+    wants = points = 0.0
+    for cell in sorted((out / "cells" / f"level{level}" / "arpo").glob("seed*")):
+        for row in _train_rows(cell):
+            wants += row.get("rollout/branch_wants", 0.0)
+            points += row.get("rollout/branch_points", 0.0)
+    return round(wants / points, 4) if points else None
+
+
+def _cells(out: Path) -> list[tuple[int, str, int, Path]]:
+    found = []
+    for cell in (out / "cells").glob("level*/*/seed*"):
+        if (cell / "summary.json").is_file():
+            found.append((int(cell.parents[1].name[5:]), cell.parent.name, int(cell.name[4:]), cell))
+    return sorted(found)
+
+
+def cell_row(level: int, method: str, seed: int, cell: Path) -> dict[str, Any]:
+    summary = json.loads((cell / "summary.json").read_text())
+    gain = (summary.get("validation_gain") or {}).get("acc") or {}
+    rows = _train_rows(cell)
+    record = json.loads((cell / "ablation_run.json").read_text())
+    keys = dict(o.split("=", 1) for o in record.get("overrides", []) if "=" in o)
+    n = float(keys.get("actor_rollout_ref.rollout.n", 1))  # the budget M: trajectories / M = questions
+
+    def per_question(metric: str) -> float:
+        vals = [r.get(metric, math.nan) * n / r["rollout/trajectories"] for r in rows if r["rollout/trajectories"]]
+        return float(sum(vals) / len(vals)) if vals else math.nan
+
+    wants = sum(r.get("rollout/branch_wants", 0.0) for r in rows)
+    points = sum(r.get("rollout/branch_points", 0.0) for r in rows)
+    attempts = record.get("attempts") or [{}]
+    return {"method": method, "level": level, "seed": seed, "before": gain.get("before"), "after": gain.get("after"),
+            "gain": gain.get("gain"), "ci_low": gain.get("low"), "ci_high": gain.get("high"), "n": gain.get("n"),
+            "tool_calls": per_question("rollout/tool_calls/total"), "tokens": per_question("rollout/tokens/generated"),
+            "forks": per_question("rollout/branches"), "fork_rate": wants / points if points else math.nan,
+            "git_sha": str(attempts[-1].get("git_sha", ""))[:12],
+            "machine": describe_machine(summary["machine"]) if summary.get("machine") else ""}
+
+
+def premise_row(level: int, probe: dict[str, Any]) -> dict[str, Any]:
+    p = probe["premise"]["topk"]
+    row: dict[str, Any] = {"level": level, "trajectories": probe.get("trajectories")}
+    for label, prefix in (("search", ""), ("python", "python_"), ("random", "random_"), ("think", "think_")):
+        s = p.get(label, {})
+        row[f"{prefix}delta_h"], row[f"{prefix}ci_low"], row[f"{prefix}ci_high"] = \
+            s.get("mean", math.nan), s.get("lo", math.nan), s.get("hi", math.nan)
+    controls = [row[f"{c}_ci_high"] for c in ("random", "think") if not math.isnan(row[f"{c}_ci_high"])]
+    row["holds"] = bool(row["ci_low"] > 0 and controls and all(row["ci_low"] > c for c in controls))
+    return row
+
+
+def _final(cell: Path) -> dict[str, float]:
+    path = cell / FINAL_CORRECTNESS
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def pooled(cells: list[tuple[int, str, int, Path]], level: int, method: str, base: str) -> dict[str, Any] | None:
+    """``method`` − ``base`` in final accuracy, paired by seed and question over every seed both finished."""
+    by = {(m, s): c for lv, m, s, c in cells if lv == level}
+    seeds = sorted(s for (m, s) in by if m == method and (base, s) in by)
+    a, b = [], []
+    for s in seeds:
+        fa, fb = _final(by[(method, s)]), _final(by[(base, s)])
+        for q in sorted(set(fa) & set(fb)):
+            a.append(fa[q])
+            b.append(fb[q])
+    if not a:
+        return None
+    g = stats.paired_gain(b, a)
+    return {"level": level, "comparison": f"{method} - {base}", "diff": g.gain, "ci_low": g.low, "ci_high": g.high,
+            "n": g.n, "seeds": len(seeds)}
+
+
+def null_point() -> dict[str, float] | None:
+    """The SmolLM2 hard benchmark: (ΔH after search, its interval, ARPO − GRPO pooled, its interval)."""
+    if not NULL_PROBE.is_file() or not NULL_RUNS.is_dir():
+        return None
+    s = json.loads(NULL_PROBE.read_text())["premise"]["topk"]["search"]
+    cells = [(0, m, int(c.name[4:]), c) for m in ("arpo_soft", "grpo") for c in (NULL_RUNS / m).glob("seed*")]
+    g = pooled(cells, 0, "arpo_soft", "grpo")
+    return None if g is None else {"dh": s["mean"], "dh_lo": s["lo"], "dh_hi": s["hi"], "diff": g["diff"],
+                                   "lo": g["ci_low"], "hi": g["ci_high"]}
+
+
+def _write_csv(path: Path, columns: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=columns)
+        w.writeheader()
+        w.writerows({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()} for r in rows)
+
+
+def _plot_gain_vs_premise(premise: list[dict], pooled_rows: list[dict], null: dict | None, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    diffs = {r["level"]: r for r in pooled_rows if r["comparison"] == "arpo - grpo"}
+    for p in premise:
+        d = diffs.get(p["level"])
+        if d is None:
+            continue
+        ax.errorbar(p["delta_h"], d["diff"], xerr=[[p["delta_h"] - p["ci_low"]], [p["ci_high"] - p["delta_h"]]],
+                    yerr=[[d["diff"] - d["ci_low"]], [d["ci_high"] - d["diff"]]], fmt="o", capsize=3, color="C0")
+        ax.annotate(f"K = {p['level']}", (p["delta_h"], d["diff"]), textcoords="offset points", xytext=(6, 6))
+    if null is not None:
+        ax.errorbar(null["dh"], null["diff"], xerr=[[null["dh"] - null["dh_lo"]], [null["dh_hi"] - null["dh"]]],
+                    yerr=[[null["diff"] - null["lo"]], [null["hi"] - null["diff"]]], fmt="s", capsize=3, color="C3")
+        ax.annotate("SmolLM2 hard benchmark", (null["dh"], null["diff"]), textcoords="offset points", xytext=(6, -12))
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.axvline(0, color="grey", lw=0.8)
+    ax.set_xlabel("premise ΔH after the tool result (window mean, ÷ log|V|), 95% CI")
+    ax.set_ylabel("ARPO − GRPO final accuracy, 95% CI")
+    ax.set_title("ARPO's gain over GRPO against its premise's strength")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_cells(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = sorted({r["level"] for r in rows})
+    methods = [m for m in ("grpo", "arpo", "random", "arpo_hard") if any(r["method"] == m for r in rows)]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(1, len(methods))
+    for i, m in enumerate(methods):
+        for j, level in enumerate(levels):
+            cell = [r for r in rows if r["method"] == m and r["level"] == level and r["gain"] is not None]
+            for k, r in enumerate(cell):
+                x = j + (i - (len(methods) - 1) / 2) * width + (k - 1) * width / 6
+                ax.errorbar(x, r["gain"], yerr=[[r["gain"] - r["ci_low"]], [r["ci_high"] - r["gain"]]], fmt="o",
+                            color=f"C{i}", capsize=2, label=m if j == 0 and k == 0 else None)
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(levels)), [f"K = {lv}" for lv in levels])
+    ax.set_ylabel("validation accuracy gain, 95% CI")
+    ax.set_title("RL gain per cell (one point per seed)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _table(columns: tuple[str, ...], rows: list[dict[str, Any]]) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return "–" if math.isnan(v) else f"{v:+.4f}" if abs(v) < 0.1 else f"{v:.3f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def verdict(premise: list[dict], pooled_rows: list[dict]) -> list[str]:
+    """One plain line per level: does the premise hold, and does ARPO beat GRPO and the random control."""
+    lines = []
+    probes = {p["level"]: p for p in premise}
+    for level in sorted(set(probes) | {r["level"] for r in pooled_rows}):
+        p = probes.get(level)
+        words = [f"K = {level}: " + ("the premise was not probed" if p is None else
+                                     f"the premise {'holds' if p['holds'] else 'does not hold'} "
+                                     f"(ΔH {p['delta_h']:+.4f} [{p['ci_low']:+.4f}, {p['ci_high']:+.4f}])")]
+        for r in pooled_rows:
+            if r["level"] != level or not r["comparison"].startswith("arpo -"):
+                continue
+            side = "above" if r["ci_low"] > 0 else "below" if r["ci_high"] < 0 else "not distinguishable from"
+            words.append(f"{r['comparison']} {r['diff']:+.3f} [{r['ci_low']:+.3f}, {r['ci_high']:+.3f}], {side} zero")
+        lines.append("- " + "; ".join(words) + ".")
+    return lines
+
+
+def collect(out: Path, header: str, smoke: bool) -> None:
+    """Write cells.csv, premise.csv, pooled.csv, the figures and README.md under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    cells = _cells(out)
+    rows = [cell_row(*c) for c in cells]
+    probes = sorted((out / "probe").glob("level*.json"), key=lambda p: int(re.sub(r"\D", "", p.stem)))
+    premise = [premise_row(int(p.stem[5:]), json.loads(p.read_text())) for p in probes]
+    levels = sorted({lv for lv, *_ in cells})
+    pooled_rows = [r for lv in levels for m, b in COMPARISONS if (r := pooled(cells, lv, m, b))]
+    _write_csv(out / "cells.csv", CELL_COLUMNS, rows)
+    _write_csv(out / "premise.csv", PREMISE_COLUMNS, premise)
+    _write_csv(out / "pooled.csv", POOLED_COLUMNS, pooled_rows)
+    figures = []
+    if rows:
+        _plot_cells(rows, out / "cells.png")
+        figures.append("cells.png")
+    if premise and pooled_rows:
+        _plot_gain_vs_premise(premise, pooled_rows, None if smoke else null_point(), out / "gain_vs_premise.png")
+        figures.append("gain_vs_premise.png")
+    readme = ["# ARPO where its premise holds: GRPO vs ARPO vs random branching, per ambiguity level", "", header, "",
+              "**Smoke run: checks the machinery, not a result.**\n" if smoke else "",
+              "Task: `synthetic=premise` (K towns share a name; the search result lists them all; the agent computes "
+              "with the one in the question's country). Methods, cells and files: `experiments/premise_holds.py`.",
+              "", "## Verdict", "", *verdict(premise, pooled_rows), "",
+              "## The premise at the SFT model (`premise.csv`)", "", _table(PREMISE_COLUMNS, premise), "",
+              "## Methods against each other (`pooled.csv`; final accuracy paired by seed and question)", "",
+              _table(POOLED_COLUMNS, pooled_rows), "",
+              "## Cells (`cells.csv`; tool calls, tokens and forks per question per training step)", "",
+              _table(CELL_COLUMNS[:-1], rows), "", *[f"![{f}]({f})\n" for f in figures]]
+    (out / "README.md").write_text(repo_relative("\n".join(readme)))
