@@ -112,7 +112,10 @@ def build_demonstration(question: str, answer: str, plan: list[dict], tools: Map
     picked = next((i for i, step in enumerate(steps) if step.get("alternatives")), None)
     if mode == "gold" and picked is not None and rng.random() < wrong_pick_prob:
         alt = rng.choice(steps[picked]["alternatives"])
-        steps = [*steps[:picked], {**steps[picked], "content": alt["content"]}, *steps[picked + 1:]]
+        wrong = {**steps[picked], "content": alt["content"], "finding": alt.get("finding", steps[picked]["finding"])}
+        steps = [*steps[:picked], wrong, *steps[picked + 1:]]
+        if picked > 0 and "entry" in alt:  # the thought before the wrong step restates the wrong entry
+            steps[picked - 1] = {**steps[picked - 1], "finding": alt["entry"]}
         mode, answer = "wrong_pick", alt["answer"]
     prefix = ""
     for i, step in enumerate(steps):

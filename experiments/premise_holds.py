@@ -34,6 +34,9 @@ replaces a cell. Finished cells are skipped and a killed cell resumes from its c
 
     python experiments/ablation.py --suite premise_holds [--levels 1 2 4] [--seeds 0 1 2] [--methods ...] \\
         [--model-dir DIR] [--out DIR] [--runs-dir DIR] [--jobs N] [--smoke] [--collect-only] [-- key=value ...]
+
+The committed results were made with ``--out experiments/results/premise_holds`` (the default ``--out`` is under
+``--runs-dir``, so a rerun never overwrites them unasked).
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ DEFAULT_METHODS = ("grpo", "arpo", "random")
 SMOKE_DATA = ("synthetic.sizes.train=64", "synthetic.sizes.val=8", "synthetic.sizes.test=8",
               "synthetic.world.namesake_groups=40")
 SMOKE_PROBE_PROMPTS = 4
+#: smoke RL cells: 2 prompts a step (the budget M and N stay the preset's) and short responses
+SMOKE_RL = ("data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "data.max_response_length=96")
 #: the preset's keys the probe's sampling run takes (engine and lengths)
 PROBE_KEYS = ("actor_rollout_ref.rollout.max_model_len=", "actor_rollout_ref.rollout.dtype=", "data.max_")
 
@@ -91,7 +96,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--model-dir", type=Path, help="the SFT model every cell starts from (default: the premise "
                                                    "preset's, built by its pipeline when missing)")
-    p.add_argument("--out", type=Path, default=None, help=f"results (default experiments/results/{SUITE})")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"results (default <runs-dir>/results; the committed ones: experiments/results/{SUITE})")
     p.add_argument("--runs-dir", type=Path, default=None,
                    help=f"run folders with checkpoints, data and probes (default outputs/ablation/{PRESET}/{SUITE})")
     p.add_argument("--probe-prompts", type=int, default=None,
@@ -112,8 +118,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         args.seeds = args.seeds[:1]
     if args.probe_prompts is None:
         args.probe_prompts = SMOKE_PROBE_PROMPTS if args.smoke else 128
-    args.out = (args.out or REPO / "experiments" / "results" / SUITE).resolve()
     args.runs_dir = (args.runs_dir or REPO / "outputs" / "ablation" / PRESET / SUITE).resolve()
+    # never the committed results by default: a rerun must not overwrite them unasked
+    args.out = (args.out or args.runs_dir / "results").resolve()
     return args, extra
 
 
@@ -197,7 +204,7 @@ def plan_cells(args: argparse.Namespace, level: int, method: str, model: Path, d
         out = args.runs_dir / f"level{level}" / method / f"seed{seed}"
         overrides = (*rl_overrides, *keys, f"actor_rollout_ref.model.path={model}", f"synthetic.out_dir={data}",
                      f"trainer.seed={seed}", f"trainer.experiment_name={SUITE}-k{level}-{method}-seed{seed}",
-                     f"trainer.output_dir={out}", *(SMOKE_OVERRIDES if args.smoke else ()), *extra)
+                     f"trainer.output_dir={out}", *((*SMOKE_OVERRIDES, *SMOKE_RL) if args.smoke else ()), *extra)
         runs.append(Run(Variant(method, keys), seed, out, overrides))
     return runs
 
@@ -206,7 +213,8 @@ def run_cells(runs: list[Run], jobs: int) -> list[Run]:
     """Train the unfinished ``runs`` (``jobs`` at once); returns the failed ones."""
     from concurrent.futures import ThreadPoolExecutor
 
-    pending = [r for r in runs if not r.finished]
+    # seed-major: a partial sweep already has every method of the first seeds
+    pending = sorted((r for r in runs if not r.finished), key=lambda r: r.seed)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         ok = list(pool.map(train, pending))
     return [r for r, good in zip(pending, ok) if not good]

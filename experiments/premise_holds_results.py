@@ -86,13 +86,17 @@ def _train_rows(cell: Path) -> list[dict[str, Any]]:
 
 def fork_rate(out: Path, level: int) -> float | None:
     """ARPO's fork rate at ``level``: fork candidates its rule said yes to over decisions taken, summed over every
-    step of the level's finished ``arpo`` cells (None: none finished or no decision taken)."""
+    step of the level's finished ``arpo`` cells (None: none finished; 0 when they took no decision, so the control
+    forks as little as ARPO did)."""
     wants = points = 0.0
-    for cell in sorted((out / "cells" / f"level{level}" / "arpo").glob("seed*")):
-        for row in _train_rows(cell):
+    cells = sorted((out / "cells" / f"level{level}" / "arpo").glob("seed*/summary.json"))
+    for summary in cells:
+        for row in _train_rows(summary.parent):
             wants += row.get("rollout/branch_wants", 0.0)
             points += row.get("rollout/branch_points", 0.0)
-    return round(wants / points, 4) if points else None
+    if not cells:
+        return None
+    return round(wants / points, 4) if points else 0.0
 
 
 def _cells(out: Path) -> list[tuple[int, str, int, Path]]:

@@ -225,6 +225,20 @@ def test_rollout_rows_with_token_ids_are_re_scored_teacher_forced(tmp_path):
             assert mine["offsets"][int(np.nanargmax(curve))] == 0
 
 
+def test_a_rollout_row_read_with_its_tokenizer_marks_the_first_think_end(tokenizer, tmp_path):
+    """The ``</think>`` control in rollout dumps: the position right after the first close tag, as text sources
+    place it; without a tokenizer (recorded entropy only) there is none."""
+    prompt = [{"role": "user", "content": "What is the capital of Orn?"}]
+    messages = prompt + [{"role": r, "content": c} for r, c in protocol_turns()]
+    (tmp_path / "messages.jsonl").write_text(json.dumps({"messages": messages}) + "\n")
+    (ref,) = read_trajectories(tmp_path / "messages.jsonl", tokenizer)
+    prompt_len = ref.model_mask.index(True)  # the response starts at the first model token
+    (tmp_path / "rollout.jsonl").write_text(json.dumps(_as_rollout_row(ref, prompt_len)) + "\n")
+    (mine,) = read_trajectories(tmp_path / "rollout.jsonl", tokenizer)
+    assert mine.think_end == ref.think_end and tokenizer.decode(mine.ids[:mine.think_end]).endswith("</think>")
+    assert read_trajectories(tmp_path / "rollout.jsonl")[0].think_end is None
+
+
 def test_a_rollout_row_keeping_its_ids_gives_the_same_recorded_curves():
     """Keeping the ids shifts every position by the prompt's length, and nothing else: recorded entropy around a
     result, forks and results read the same."""

@@ -130,11 +130,15 @@ def test_collect_pools_paired_answers_and_takes_arpos_fork_rate(tmp_path):
         _write_cell(out, 2, "grpo", seed, {q: float(q % 2) for q in range(10)}, 0, 0)
         _write_cell(out, 2, "arpo", seed, {q: 1.0 for q in range(10)}, 30.0, 40.0)
     assert fork_rate(out, 2) == 0.75
+    _write_cell(out, 3, "arpo", 0, {0: 1.0}, 0.0, 0.0)
+    assert fork_rate(out, 3) == 0.0  # no decision taken: the control forks as little
     collect(out, "header", smoke=False)
     cells = list(csv.DictReader((out / "cells.csv").open()))
-    assert {(c["method"], c["seed"]) for c in cells} == {(m, s) for m in ("grpo", "arpo") for s in ("0", "1")}
+    assert {(c["method"], c["level"], c["seed"]) for c in cells} == \
+        {(m, "2", s) for m in ("grpo", "arpo") for s in ("0", "1")} | {("arpo", "3", "0")}
     # per question per step: 64 trajectories / M 8 = 8 questions
     assert {float(c["tool_calls"]) for c in cells} == {16.0} and {float(c["tokens"]) for c in cells} == {800.0}
+    assert {float(c["forks"]) for c in cells} == {2.0}
     (pooled,) = list(csv.DictReader((out / "pooled.csv").open()))
     assert pooled["comparison"] == "arpo - grpo" and float(pooled["diff"]) == 0.5 and pooled["n"] == "20"
     assert "arpo - grpo +0.500" in (out / "README.md").read_text()  # the verdict line

@@ -105,8 +105,8 @@ def test_pages_fit_the_search_tools_cut(levels):
         assert facts[search["finding"]][1] <= levels[4]["cfg"].world.page_chars
 
 
-@pytest.mark.parametrize("level", [1, 4])
-def test_demonstrations_pick_a_wrong_town_at_the_configured_rate(levels, level):
+@pytest.mark.parametrize("level, verbose", [(1, False), (4, False), (4, True)])
+def test_demonstrations_pick_a_wrong_town_at_the_configured_rate(levels, level, verbose):
     from arpo.sft import build_demonstration
 
     rows = levels[level]["rows"].head(60)
@@ -115,14 +115,19 @@ def test_demonstrations_pick_a_wrong_town_at_the_configured_rate(levels, level):
         plan = json.loads(row.extra_info["plan"])
         segs, mode = build_demonstration(row.extra_info["question"], row.reward_model["ground_truth"], plan,
                                          levels["tools"] if level == 4 else _tools_for(levels, level),
-                                         random.Random(i), 0.0, 0.0, wrong_pick_prob=0.5)
+                                         random.Random(i), 0.0, 0.0, verbose_think=verbose, wrong_pick_prob=0.5)
         modes[mode] += 1
         text = "".join(s.text for s in segs)
+        # the model's own text after the search result: the thought and the call that make the pick
+        picked = segs[2].text
         if mode == "wrong_pick":
             alt = next(a for a in plan[1]["alternatives"] if a["content"] in text)
             assert f"\\boxed{{ {alt['answer']} }}" in segs[-1].text and plan[1]["content"] not in text
+            assert (alt["entry"] in picked) == verbose and plan[0]["finding"] not in picked
+            assert (alt["finding"] in segs[-1].text) == verbose  # the closing thought restates the wrong result
         else:
             assert plan[1]["content"] in text and f"\\boxed{{ {row.reward_model['ground_truth']} }}" in segs[-1].text
+            assert (plan[0]["finding"] in picked) == verbose
     if level == 1:
         assert modes == {"gold": len(rows)}  # one town: nothing to pick
     else:

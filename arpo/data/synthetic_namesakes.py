@@ -17,9 +17,12 @@ with ``K = 1`` there is nothing to pick. The decisive tokens are the first ones 
 the Python result the model only copies. Every entry names its town and country, so each page sentence is
 unique in the corpus (:func:`arpo.data.synthetic_world.fact_index`).
 
-The gold plan's Python step keeps the wrong picks (``alternatives``: code and answer of every other entry), so
-the cold-start SFT can show some demonstrations picking the wrong entry (``sft.demo.wrong_pick_prob``): the
-SFT model then hesitates between the entries, as a cold-started model does where the choice is hard.
+The gold plan's Python step keeps the wrong picks (``alternatives``: code, answer and page entry of every other
+town), so the cold-start SFT can show some demonstrations picking the wrong entry (``sft.demo.wrong_pick_prob``):
+the SFT model then hesitates between the entries, as a cold-started model does where the choice is hard. With
+``sft.demo.verbose_think`` the thought after the search result restates the picked entry ("Kora in Zorvia:
+340000 people."), so the pick is made at the country, a few tokens after the result, and the number is then
+copied from the page.
 """
 
 from __future__ import annotations
@@ -91,8 +94,8 @@ def build_namesakes(world: World, seed: int, num_groups: int, candidates: int | 
 
 
 def pick_question(groups: Sequence[NamesakeGroup], rng: random.Random) -> tuple[str, str, list[dict]]:
-    """(question, answer, gold plan) of one ``pick`` question. The Python step's ``alternatives`` hold the code
-    and answer of picking each other town of the group."""
+    """(question, answer, gold plan) of one ``pick`` question. The Python step's ``alternatives`` hold the code,
+    its result, the answer and the page entry of picking each other town of the group."""
     group = groups[rng.randrange(len(groups))]
     target = rng.randrange(len(group.towns))
     country, population = group.towns[target]
@@ -105,9 +108,10 @@ def pick_question(groups: Sequence[NamesakeGroup], rng: random.Random) -> tuple[
         return {"tool": "python", "content": f"print({e})", "finding": f"{e} = {answer}.", "answer": answer}
 
     gold = python_step(population)
-    alternatives = [python_step(p) for i, (_, p) in enumerate(group.towns) if i != target]
+    alternatives = [{**python_step(p), "entry": group.entry(c, p)} for i, (c, p) in enumerate(group.towns)
+                     if i != target]
     search = {"tool": "search", "content": group.name, "finding": group.entry(country, population)}
     step = {"tool": "python", "content": gold["content"], "finding": gold["finding"],
-            "alternatives": [{"content": a["content"], "answer": a["answer"]} for a in alternatives]}
+            "alternatives": [{k: a[k] for k in ("content", "finding", "answer", "entry")} for a in alternatives]}
     question = _QUESTION.format(town=group.name, country=country, operation=tail.format(k=k))
     return question, gold["answer"], [search, step]

@@ -155,11 +155,26 @@ def from_messages(name: str, tokenizer, messages: list[dict[str, Any]],
     return from_pieces(name, tokenizer, _chat_prompt_ids(tokenizer, prompt), pieces, protocol=protocol)
 
 
-def from_rollout_row(name: str, row: dict[str, Any]) -> Trajectory | None:
+def _think_end(tokenizer, response_ids: list[int]) -> int | None:
+    """The response position right after the first ``</think>``: the shortest prefix whose text holds it (a
+    prefix's text only grows, so a binary search over decodes finds it)."""
+    if THINK_CLOSE not in tokenizer.decode(response_ids):
+        return None
+    lo, hi = 1, len(response_ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if THINK_CLOSE in tokenizer.decode(response_ids[:mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def from_rollout_row(name: str, row: dict[str, Any], tokenizer=None) -> Trajectory | None:
     """A rollout dump row: its recorded entropy and, where the row keeps its token ids, the ids (prompt then
     response) that a model can re-score teacher-forced; None for a row with neither. A fork's tokens before its
     ``branch_pos`` are its parent's: its events start there (the window before a fork's first result is the
-    parent's, shared)."""
+    parent's, shared). With ``tokenizer`` and ids, the first ``</think>`` is found for its control."""
     entropy = row.get("token_entropy")
     has_ids = "prompt_ids" in row and "response_ids" in row
     if entropy is None and not has_ids:
@@ -179,8 +194,9 @@ def from_rollout_row(name: str, row: dict[str, Any]) -> Trajectory | None:
         # the call's own tokens are not marked in the row: the model tokens before the result stand for them
         results.append(ToolResult(str(call["tool"]), start, start, end))
     ids = [int(i) for i in row["prompt_ids"]] + [int(i) for i in row["response_ids"]] if has_ids else None
+    think = _think_end(tokenizer, [int(i) for i in row["response_ids"]]) if has_ids and tokenizer is not None else None
     return Trajectory(name, mask, results, ids=ids, recorded=recorded, own_from=own_from,
-                      meta={"data_source": row.get("data_source")})
+                      think_end=None if think is None else offset + think, meta={"data_source": row.get("data_source")})
 
 
 def _format_of(row: dict[str, Any]) -> str:
@@ -215,7 +231,7 @@ def read_trajectories(path: str | Path, tokenizer=None, limit: int | None = None
             if fmt not in ("rollout", "unknown") and tokenizer is None:
                 raise ValueError(f"{file}: {fmt} trajectories are text; give --model so that they can be tokenised")
             if fmt == "rollout":
-                traj = from_rollout_row(name, row)
+                traj = from_rollout_row(name, row, tokenizer)
             elif fmt == "eval":
                 prompt_ids = _encode(tokenizer, str(row["prompt"]))[0]
                 traj = from_pieces(name, tokenizer, prompt_ids, split_response(str(row["response"])),
