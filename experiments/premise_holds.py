@@ -29,8 +29,9 @@ question's country. K (``synthetic.candidates``) grades how uncertain that decis
    and ``README.md`` under ``--out``.
 
 Every finished cell's files are copied into ``--out/cells/level<K>/<method>/seed<S>/`` and the tables are made
-from there, so cells run on other machines gather into one table (``--collect-only --import-runs DIR``); a rerun
-replaces a cell. Finished cells are skipped and a killed cell resumes from its checkpoint.
+from there, so cells run on other machines gather into one table (``--collect-only --import-runs DIR``; an
+imported cell replaces one of the same name). A cell already in ``--out/cells`` is not run again (so a sweep
+continues on another machine from the committed results), and a killed cell resumes from its checkpoint.
 
     python experiments/ablation.py --suite premise_holds [--levels 1 2 4] [--seeds 0 1 2] [--methods ...] \\
         [--model-dir DIR] [--out DIR] [--runs-dir DIR] [--jobs N] [--smoke] [--collect-only] [-- key=value ...]
@@ -179,9 +180,14 @@ def probe_level(level: int, model: Path, data: Path, runs_dir: Path, out: Path, 
                "--out", str(dump), "--data", str(data), "--split", "test", "--limit", str(prompts), "--n", "1",
                "--initial", "1", *keys, "actor_rollout_ref.rollout.mode=single"]
         _logged(cmd, runs_dir / "logs" / f"probe_{name}.log")
-    cmd = [sys.executable, "-m", "arpo.entropy_probe", "--model", str(model), "--trajectories", str(dump),
-           "--out", str(out / "probe"), "--name", name]
+    # repo-relative where they can be: the probe's JSON records its sources
+    cmd = [sys.executable, "-m", "arpo.entropy_probe", "--model", _shown(model), "--trajectories", _shown(dump),
+           "--out", _shown(out / "probe"), "--name", name]
     _logged(cmd, runs_dir / "logs" / f"probe_{name}.log")
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 def _logged(cmd: list[str], log: Path) -> None:
@@ -255,6 +261,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         bar.update(len(args.seeds))
                         continue
                     runs += plan_cells(args, level, method, model, data, rl_keys, extra, rate)
+                # a cell already in the results (finished here earlier, or on another machine and imported) is done
+                done = [r for r in runs if (cell_dest(args.out, level, r.variant.name, r.seed) / "summary.json").is_file()
+                        and not r.finished]
+                bar.update(len(done))
+                runs = [r for r in runs if r not in done]
                 failed += run_cells(runs, args.jobs)
                 for run in runs:
                     if run.finished:

@@ -29,7 +29,8 @@ CELL_COLUMNS = ("method", "level", "seed", "before", "after", "gain", "ci_low", 
                 "tokens", "forks", "fork_rate", "git_sha", "machine")
 PREMISE_COLUMNS = ("level", "delta_h", "ci_low", "ci_high", "python_delta_h", "python_ci_low", "python_ci_high",
                    "random_delta_h", "random_ci_low", "random_ci_high", "think_delta_h", "think_ci_low",
-                   "think_ci_high", "trajectories", "holds")
+                   "think_ci_high", "above_random", "above_random_ci_low", "above_random_ci_high", "above_think",
+                   "above_think_ci_low", "above_think_ci_high", "trajectories", "holds")
 POOLED_COLUMNS = ("level", "comparison", "diff", "ci_low", "ci_high", "n", "seeds")
 #: (method, baseline) pairs of pooled.csv, where both ran
 COMPARISONS = (("arpo", "grpo"), ("arpo", "random"), ("random", "grpo"), ("arpo_hard", "grpo"))
@@ -133,12 +134,15 @@ def cell_row(level: int, method: str, seed: int, cell: Path) -> dict[str, Any]:
 def premise_row(level: int, probe: dict[str, Any]) -> dict[str, Any]:
     p = probe["premise"]["topk"]
     row: dict[str, Any] = {"level": level, "trajectories": probe.get("trajectories")}
-    for label, prefix in (("search", ""), ("python", "python_"), ("random", "random_"), ("think", "think_")):
+    for label, prefix, value in (("search", "", "delta_h"), ("python", "python_", "delta_h"),
+                                 ("random", "random_", "delta_h"), ("think", "think_", "delta_h"),
+                                 ("search - random", "above_random_", ""), ("search - think", "above_think_", "")):
         s = p.get(label, {})
-        row[f"{prefix}delta_h"], row[f"{prefix}ci_low"], row[f"{prefix}ci_high"] = \
+        row[f"{prefix}{value}".rstrip("_")], row[f"{prefix}ci_low"], row[f"{prefix}ci_high"] = \
             s.get("mean", math.nan), s.get("lo", math.nan), s.get("hi", math.nan)
-    controls = [row[f"{c}_ci_high"] for c in ("random", "think") if not math.isnan(row[f"{c}_ci_high"])]
-    row["holds"] = bool(row["ci_low"] > 0 and controls and all(row["ci_low"] > c for c in controls))
+    # holds: the window after the search result (the decision) rises, and more than around both controls in the
+    # same trajectories (the paired differences' intervals above zero)
+    row["holds"] = bool(row["ci_low"] > 0 and row["above_random_ci_low"] > 0 and row["above_think_ci_low"] > 0)
     return row
 
 
@@ -273,6 +277,8 @@ def collect(out: Path, header: str, smoke: bool) -> None:
     cells = _cells(out)
     rows = [cell_row(*c) for c in cells]
     probes = sorted((out / "probe").glob("level*.json"), key=lambda p: int(re.sub(r"\D", "", p.stem)))
+    for probe in probes:  # a probe given absolute paths records them: keep the committed ones repo-relative
+        probe.write_text(repo_relative(probe.read_text()))
     premise = [premise_row(int(p.stem[5:]), json.loads(p.read_text())) for p in probes]
     levels = sorted({lv for lv, *_ in cells})
     pooled_rows = [r for lv in levels for m, b in COMPARISONS if (r := pooled(cells, lv, m, b))]

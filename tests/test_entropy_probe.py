@@ -80,6 +80,10 @@ def test_scripted_uncertainty_is_found_at_offset_zero_and_nowhere_else():
         near = [c for c, off in enumerate(offsets) if -5 <= off < 5]
         assert abs(control["mean"]) < 1e-3
         assert max(summary["curves"][name]["random"]["mean"][c] for c in near) < 0.01
+        # the test of "above the control": per trajectory, the tool's statistic minus the control's
+        search, paired = summary["premise"][name]["search"], summary["premise"][name]["search - random"]
+        assert 0 < paired["n"] <= min(search["n"], control["n"]) and paired["lo"] > 0
+        assert paired["mean"] == pytest.approx(search["mean"] - control["mean"], rel=0.05)
     assert summary["curves"]["full"]["search"]["mean"][offsets.index(0)] == pytest.approx(1.0, abs=1e-6)  # uniform
     assert summary["events"]["random"] == 12
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -168,3 +169,8 @@ def test_smoke_suite_runs_every_method_into_the_tables_and_skips_finished_cells(
     # a rerun finds every cell finished and the probe done: it only collects
     again = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert again.returncode == 0 and "main_arpo" not in again.stderr
+    # another machine continuing from the results alone (no run folders): the cells there are not run again
+    shutil.rmtree(runs / "level2")
+    again = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert again.returncode == 0 and not (runs / "level2").exists()
+    assert len(list(csv.DictReader((out / "cells.csv").open()))) == 3

@@ -159,7 +159,9 @@ def bootstrap_mean(values: Sequence[float], seed: int, resamples: int = 2000) ->
 
 def summarise(measured: Sequence[Measured], window: int, vocab_size: int | None, reduction: str,
               offsets: Sequence[int], seed: int, resamples: int = 2000) -> dict[str, Any]:
-    """The curves (per measure and event kind: mean and interval per offset) and the premise statistic per kind."""
+    """The curves (per measure and event kind: mean and interval per offset), the premise statistic per kind, and
+    per tool its paired difference from each control (``"search - random"``: per trajectory, the tool's statistic
+    minus the control's)."""
     measures = [k for k in MEASURES if all(k in m.values for m in measured)]
     kinds = sorted({e.kind for m in measured for e in m.events}, key=lambda k: (k in ("random", "think"), k))
     tools = [k for k in kinds if k not in ("random", "think")]
@@ -181,6 +183,14 @@ def summarise(measured: Sequence[Measured], window: int, vocab_size: int | None,
             pooled = [np.mean([d[t] for t in tools if t in d]) if any(t in d for t in tools) else math.nan
                       for d in deltas]
             premise[name]["all tools"] = bootstrap_mean(pooled, derive_seed(seed, "premise", name, "all"), resamples)
+        # above a control in the same trajectories: the paired difference, whose interval is the test
+        for tool in tools:
+            for control in ("random", "think"):
+                if control in kinds:
+                    label = f"{tool} - {control}"
+                    premise[name][label] = bootstrap_mean([d.get(tool, math.nan) - d.get(control, math.nan)
+                                                           for d in deltas],
+                                                          derive_seed(seed, "premise", name, label), resamples)
     events = {k: sum(e.kind == k for m in measured for e in m.events) for k in kinds}
     return {"offsets": list(offsets), "curves": curves, "premise": premise, "events": events,
             "trajectories": len(measured), "model_tokens": int(sum(len(m.values["topk"]) for m in measured))}
