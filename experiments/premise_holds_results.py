@@ -261,7 +261,11 @@ def verdict(premise: list[dict], pooled_rows: list[dict]) -> list[str]:
         p = probes.get(level)
         words = [f"K = {level}: " + ("the premise was not probed" if p is None else
                                      f"the premise {'holds' if p['holds'] else 'does not hold'} "
-                                     f"(ΔH {p['delta_h']:+.4f} [{p['ci_low']:+.4f}, {p['ci_high']:+.4f}])")]
+                                     f"(ΔH after the search result {p['delta_h']:+.4f} "
+                                     f"[{p['ci_low']:+.4f}, {p['ci_high']:+.4f}]; above a random point "
+                                     f"{p['above_random']:+.4f} [{p['above_random_ci_low']:+.4f}, "
+                                     f"{p['above_random_ci_high']:+.4f}], above </think> {p['above_think']:+.4f} "
+                                     f"[{p['above_think_ci_low']:+.4f}, {p['above_think_ci_high']:+.4f}])")]
         for r in pooled_rows:
             if r["level"] != level or not r["comparison"].startswith("arpo -"):
                 continue
@@ -295,7 +299,10 @@ def collect(out: Path, header: str, smoke: bool) -> None:
     readme = ["# ARPO where its premise holds: GRPO vs ARPO vs random branching, per ambiguity level", "", header, "",
               "**Smoke run: checks the machinery, not a result.**\n" if smoke else "",
               "Task: `synthetic=premise` (K towns share a name; the search result lists them all; the agent computes "
-              "with the one in the question's country). Methods, cells and files: `experiments/premise_holds.py`.",
+              "with the one in the question's country). Methods, cells and files: `experiments/premise_holds.py`; "
+              "design, machine and what it took: `docs/results/premise-holds.md`. The premise: the SFT model's own "
+              "samples on the level's test questions, re-scored teacher-forced (`probe/level<K>.json`, `.png`; "
+              "`probe_window5/`: the same with a 5-token window). The machine of each cell: `cells.csv`.",
               "", "## Verdict", "", *verdict(premise, pooled_rows), "",
               "## The premise at the SFT model (`premise.csv`)", "", _table(PREMISE_COLUMNS, premise), "",
               "## Methods against each other (`pooled.csv`; final accuracy paired by seed and question)", "",
