@@ -19,3 +19,8 @@ def environ_with(changes: dict[str, str]) -> dict[str, str]:
         else:
             env.pop(key, None)
     return env
+
+
+def repo_relative(text: str) -> str:
+    """``text`` with this checkout's absolute path taken out, so committed results hold repo-relative paths."""
+    return text.replace(str(REPO) + "/", "").replace(str(REPO), ".")

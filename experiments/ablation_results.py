@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from arpo import analysis, stats
 from arpo.evaluation.training_tables import write_training_tables
+from experiments import repo_relative
 
 if TYPE_CHECKING:
     from experiments.ablation import Run, Suite
@@ -21,11 +22,12 @@ RUN_FILES = ("summary.json", analysis.RUN_RECORD)
 
 
 def copy_run(run_dir: Path, dest: Path) -> None:
-    """A finished run's committed files (metrics, summary, driver record, final per-question correctness)."""
+    """A finished run's committed files (metrics, summary, driver record, final per-question correctness), the
+    paths in them repo-relative."""
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(analysis.metrics_path(run_dir), dest / "metrics.jsonl")
     for name in RUN_FILES:
-        shutil.copyfile(run_dir / name, dest / name)
+        (dest / name).write_text(repo_relative((run_dir / name).read_text()))
     _write_final_correctness(run_dir / "validation", dest / FINAL_CORRECTNESS)
 
 
@@ -76,7 +78,7 @@ def collect(suite: Suite, runs: list[Run], out: Path, header: str, smoke: bool, 
               "Per-run metrics: `runs/<variant>/seed<K>/metrics.jsonl`; every number of the table: `runs.csv`. "
               f"Regenerate the table: `python -m arpo.tables --training-runs {_shown(out)}/runs --out {_shown(out)} "
               f"--baseline {suite.baseline}`; explore: `notebooks/arpo_analysis.ipynb`.", ""]
-    (out / "README.md").write_text("\n".join(readme))
+    (out / "README.md").write_text(repo_relative("\n".join(readme)))
 
 
 def _gain_section(runs_dir: Path, names: list[str]) -> str:
@@ -184,5 +186,5 @@ def _shown(path: Path) -> str:
 
 
 def _save(fig, path: Path, header: str) -> Path:
-    fig.savefig(path, dpi=100, metadata={"Description": header})
+    fig.savefig(path, dpi=100, metadata={"Description": repo_relative(header)})
     return path

@@ -23,6 +23,7 @@ from typing import Any
 
 from arpo import stats
 from arpo.machine import describe_machine
+from experiments import repo_relative
 
 REPO = Path(__file__).resolve().parents[1]
 CELL_COLUMNS = ("method", "level", "seed", "before", "after", "gain", "ci_low", "ci_high", "n", "tool_calls",
@@ -44,11 +45,6 @@ FINAL_CORRECTNESS = "final_validation_acc.json"
 
 def cell_dest(out: Path, level: int, method: str, seed: int) -> Path:
     return out / "cells" / f"level{level}" / method / f"seed{seed}"
-
-
-def repo_relative(text: str) -> str:
-    """``text`` with this checkout's absolute path removed, so committed files hold repo-relative paths."""
-    return text.replace(str(REPO) + "/", "").replace(str(REPO), ".")
 
 
 def copy_cell(run_dir: Path, dest: Path) -> None:

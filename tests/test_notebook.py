@@ -59,8 +59,10 @@ def test_notebook_draws_every_figure_from_the_committed_smollm2_ablation(monkeyp
     assert any("after - before" in o.get("data", {}).get("text/html", "") for o in premise)
     # the committed premise_holds study: its figures, or the line saying how to make it
     committed = REPO_ROOT / "experiments" / "results" / "premise_holds"
-    if (committed / "gain_vs_premise.png").is_file():
-        assert _images(premise_holds) == 2
+    if (committed / "cells.csv").is_file():
+        figures = [f for f in ("gain_vs_premise.png", "cells.png") if (committed / f).is_file()]
+        assert _images(premise_holds) == len(figures)
+        assert any("above_random" in o.get("data", {}).get("text/html", "") for o in premise_holds)
     else:
         assert "python experiments/ablation.py --suite premise_holds" in _text(premise_holds)
 

@@ -2,7 +2,8 @@
 sessions, lent machines, numbered stops or issues, agents, internal goals) and no paths of one developer's
 machine, in docs, READMEs, code and its comments, notebooks, YAML and scripts.
 
-Data files (JSON, JSONL, CSV run records) are not scanned: they record where a run ran."""
+Result files (JSON, JSONL, CSV run records, figures' text chunks) are scanned for machine paths only: they record
+how and where a run ran, with paths relative to the repository."""
 
 from __future__ import annotations
 
@@ -74,3 +75,45 @@ def test_the_rules_catch_each_kind(tmp_path):
     hits = violations(tmp_path, ["bad.md", "good.md"])
     assert sorted(h.split("[")[1].split("]")[0] for h in hits) == sorted(bad)
     assert all(h.startswith("bad.md:") for h in hits)
+
+
+#: an absolute path of one machine: a home, temp or checkout folder (the repository's own among them)
+MACHINE_PATH = re.compile(r"(?<![\w.])/(work|root|tmp|Users|home/[a-z])/|" + re.escape(str(REPO_ROOT)))
+RESULT_SUFFIXES = (".json", ".jsonl", ".csv", ".md", ".txt", ".ipynb", ".png")
+
+
+def machine_paths(root: Path, files: list[str]) -> list[str]:
+    """``path: text`` for every machine path in ``files``: text lines, and a PNG's text chunks (figure metadata)."""
+    from PIL import Image
+
+    found = []
+    for rel in files:
+        if rel.endswith(".png"):
+            with Image.open(root / rel) as im:
+                texts = [f"{k}: {v}" for k, v in getattr(im, "text", {}).items()]
+        else:
+            texts = (root / rel).read_text(encoding="utf-8", errors="replace").splitlines()
+        found += [f"{rel}: {t.strip()[:160]}" for t in texts if MACHINE_PATH.search(t)]
+    return found
+
+
+def test_committed_results_and_figures_hold_repo_relative_paths():
+    listed = subprocess.run(["git", "ls-files", "--cached", "experiments/results", "docs", "notebooks"], cwd=REPO_ROOT,
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    files = [f for f in listed if f.endswith(RESULT_SUFFIXES) and (REPO_ROOT / f).is_file()]
+    assert len(files) > 100
+    found = machine_paths(REPO_ROOT, files)
+    assert not found, "results must hold repo-relative paths:\n" + "\n".join(found[:40])
+
+
+def test_the_machine_path_scan_reads_text_and_png_chunks(tmp_path):
+    from PIL import Image, PngImagePlugin
+
+    meta = PngImagePlugin.PngInfo()
+    meta.add_text("Description", f"python experiments/ablation.py --out {REPO_ROOT}/outputs/x")
+    Image.new("RGB", (2, 2)).save(tmp_path / "fig.png", pnginfo=meta)
+    Image.new("RGB", (2, 2)).save(tmp_path / "clean.png")
+    (tmp_path / "run.json").write_text('{"model": "/tmp/smollm2-hf", "ok": "outputs/x", "url": "a/tmp/b"}\n')
+    hits = machine_paths(tmp_path, ["fig.png", "clean.png", "run.json"])
+    assert [h.split(":")[0] for h in hits] == ["fig.png", "run.json"]
+
