@@ -215,14 +215,21 @@ def plan_cells(args: argparse.Namespace, level: int, method: str, model: Path, d
     return runs
 
 
-def run_cells(runs: list[Run], jobs: int) -> list[Run]:
-    """Train the unfinished ``runs`` (``jobs`` at once); returns the failed ones."""
+def run_cells(runs: list[Run], jobs: int, out: Path, level: int) -> list[Run]:
+    """Train the unfinished ``runs`` (``jobs`` at once), each copied into the results as soon as it finishes;
+    returns the failed ones."""
     from concurrent.futures import ThreadPoolExecutor
+
+    def cell(run: Run) -> bool:
+        ok = train(run)
+        if run.finished:
+            copy_cell(run.dir, cell_dest(out, level, run.variant.name, run.seed))
+        return ok
 
     # seed-major: a partial sweep already has every method of the first seeds
     pending = sorted((r for r in runs if not r.finished), key=lambda r: r.seed)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        ok = list(pool.map(train, pending))
+        ok = list(pool.map(cell, pending))
     return [r for r, good in zip(pending, ok) if not good]
 
 
@@ -266,8 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         and not r.finished]
                 bar.update(len(done))
                 runs = [r for r in runs if r not in done]
-                failed += run_cells(runs, args.jobs)
-                for run in runs:
+                failed += run_cells(runs, args.jobs, args.out, level)
+                for run in runs:  # finished before this call (a cell is copied as it finishes)
                     if run.finished:
                         copy_cell(run.dir, cell_dest(args.out, level, run.variant.name, run.seed))
                 bar.update(len(runs))
