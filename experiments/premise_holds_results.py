@@ -172,7 +172,7 @@ def null_point() -> dict[str, float] | None:
     cells = [(0, m, int(c.name[4:]), c) for m in ("arpo_soft", "grpo") for c in (NULL_RUNS / m).glob("seed*")]
     g = pooled(cells, 0, "arpo_soft", "grpo")
     return None if g is None else {"dh": s["mean"], "dh_lo": s["lo"], "dh_hi": s["hi"], "diff": g["diff"],
-                                   "lo": g["ci_low"], "hi": g["ci_high"]}
+                                   "lo": g["ci_low"], "hi": g["ci_high"], "seeds": g["seeds"]}
 
 
 def _write_csv(path: Path, columns: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
@@ -196,11 +196,14 @@ def _plot_gain_vs_premise(premise: list[dict], pooled_rows: list[dict], null: di
             continue
         ax.errorbar(p["delta_h"], d["diff"], xerr=[[p["delta_h"] - p["ci_low"]], [p["ci_high"] - p["delta_h"]]],
                     yerr=[[d["diff"] - d["ci_low"]], [d["ci_high"] - d["diff"]]], fmt="o", capsize=3, color="C0")
-        ax.annotate(f"K = {p['level']}", (p["delta_h"], d["diff"]), textcoords="offset points", xytext=(6, 6))
+        seeds = f"{d['seeds']} seed{'s' if d['seeds'] > 1 else ''}"
+        ax.annotate(f"K = {p['level']} ({seeds})", (p["delta_h"], d["diff"]), textcoords="offset points",
+                    xytext=(6, 6))
     if null is not None:
         ax.errorbar(null["dh"], null["diff"], xerr=[[null["dh"] - null["dh_lo"]], [null["dh_hi"] - null["dh"]]],
                     yerr=[[null["diff"] - null["lo"]], [null["hi"] - null["diff"]]], fmt="s", capsize=3, color="C3")
-        ax.annotate("SmolLM2 hard benchmark", (null["dh"], null["diff"]), textcoords="offset points", xytext=(6, -12))
+        ax.annotate(f"SmolLM2 hard benchmark ({null['seeds']} seeds)", (null["dh"], null["diff"]),
+                    textcoords="offset points", xytext=(6, -12))
     ax.axhline(0, color="grey", lw=0.8)
     ax.axvline(0, color="grey", lw=0.8)
     ax.set_xlabel("premise ΔH after the tool result (window mean, ÷ log|V|), 95% CI")
