@@ -27,7 +27,9 @@ from experiments import repo_relative
 
 REPO = Path(__file__).resolve().parents[1]
 CELL_COLUMNS = ("method", "level", "seed", "before", "after", "gain", "ci_low", "ci_high", "n", "tool_calls",
-                "tokens", "forks", "fork_rate", "git_sha", "machine")
+                "tokens", "forks", "fork_rate", "forks_after_search", "git_sha", "machine")
+#: where a cell's forks went: per tool, the forks made right after its results and its decisions' ΔH
+FORKS = "forks.json"
 PREMISE_COLUMNS = ("level", "delta_h", "ci_low", "ci_high", "python_delta_h", "python_ci_low", "python_ci_high",
                    "random_delta_h", "random_ci_low", "random_ci_high", "think_delta_h", "think_ci_low",
                    "think_ci_high", "above_random", "above_random_ci_low", "above_random_ci_high", "above_think",
@@ -60,6 +62,25 @@ def copy_cell(run_dir: Path, dest: Path) -> None:
     (dest / "summary.json").write_text(repo_relative(json.dumps(kept, indent=2)))
     (dest / analysis.RUN_RECORD).write_text(repo_relative((run_dir / analysis.RUN_RECORD).read_text()))
     _write_final_correctness(run_dir / "validation", dest / FINAL_CORRECTNESS)
+    (dest / FORKS).write_text(json.dumps(fork_placement(run_dir / "rollouts"), indent=1))
+
+
+def fork_placement(rollouts: Path) -> dict[str, dict[str, float]]:
+    """Per tool, over every training step's trajectories: forks started right after one of its results, its
+    branching decisions, and the share of them whose ΔH was above zero (the paper rule's fork condition)."""
+    out: dict[str, dict[str, float]] = {}
+    for path in sorted(rollouts.glob("step_*.jsonl")):
+        for row in (json.loads(line) for line in path.read_text().splitlines() if line.strip()):
+            calls = row.get("tool_calls") or []
+            if row.get("rollout_kind") == "branch":
+                tool = next((c["tool"] for c in calls if c["end"] == row["branch_pos"]), "other")
+                out.setdefault(tool, {"forks": 0, "decisions": 0, "rising": 0})["forks"] += 1
+            for c in calls:  # the row's own decisions (a fork's inherited calls are its parent's)
+                if c["end"] > int(row.get("branch_pos") or 0) and c.get("delta_entropy") is not None:
+                    t = out.setdefault(c["tool"], {"forks": 0, "decisions": 0, "rising": 0})
+                    t["decisions"] += 1
+                    t["rising"] += int(c["delta_entropy"] > 0)
+    return out
 
 
 def import_cells(source: Path, out: Path) -> list[str]:
@@ -116,6 +137,8 @@ def cell_row(level: int, method: str, seed: int, cell: Path) -> dict[str, Any]:
         vals = [r.get(metric, math.nan) * n / r["rollout/trajectories"] for r in rows if r["rollout/trajectories"]]
         return float(sum(vals) / len(vals)) if vals else math.nan
 
+    placement = json.loads((cell / FORKS).read_text()) if (cell / FORKS).is_file() else {}
+    forks = sum(t["forks"] for t in placement.values())
     wants = sum(r.get("rollout/branch_wants", 0.0) for r in rows)
     points = sum(r.get("rollout/branch_points", 0.0) for r in rows)
     attempts = record.get("attempts") or [{}]
@@ -123,6 +146,7 @@ def cell_row(level: int, method: str, seed: int, cell: Path) -> dict[str, Any]:
             "gain": gain.get("gain"), "ci_low": gain.get("low"), "ci_high": gain.get("high"), "n": gain.get("n"),
             "tool_calls": per_question("rollout/tool_calls/total"), "tokens": per_question("rollout/tokens/generated"),
             "forks": per_question("rollout/branches"), "fork_rate": wants / points if points else math.nan,
+            "forks_after_search": placement.get("search", {}).get("forks", 0) / forks if forks else math.nan,
             "git_sha": str(attempts[-1].get("git_sha", ""))[:12],
             "machine": describe_machine(summary["machine"]) if summary.get("machine") else ""}
 

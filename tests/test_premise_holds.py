@@ -174,3 +174,16 @@ def test_smoke_suite_runs_every_method_into_the_tables_and_skips_finished_cells(
     again = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert again.returncode == 0 and not (runs / "level2").exists()
     assert len(list(csv.DictReader((out / "cells.csv").open()))) == 3
+
+
+def test_fork_placement_counts_forks_by_the_result_they_follow(tmp_path):
+    from experiments.premise_holds_results import fork_placement
+
+    search = {"tool": "search", "start": 5, "end": 10, "delta_entropy": 0.01}
+    python = {"tool": "python", "start": 20, "end": 24, "delta_entropy": -0.002}
+    rows = [{"rollout_kind": "initial", "branch_pos": 0, "tool_calls": [search, python]},
+            # a fork after the search result: its own decision is the one after its python result
+            {"rollout_kind": "branch", "branch_pos": 10, "tool_calls": [search, {**python, "delta_entropy": 0.003}]}]
+    (tmp_path / "step_1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert fork_placement(tmp_path) == {"search": {"forks": 1, "decisions": 1, "rising": 1},
+                                        "python": {"forks": 0, "decisions": 2, "rising": 1}}
