@@ -257,6 +257,7 @@ def _plot_cells(rows: list[dict], path: Path) -> None:
                             color=f"C{i}", capsize=2, label=m if j == 0 and k == 0 else None)
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xticks(range(len(levels)), [f"K = {lv}" for lv in levels])
+    ax.set_xlim(-0.6, len(levels) - 0.4)
     ax.set_ylabel("validation accuracy gain, 95% CI")
     ax.set_title("RL gain per cell (one point per seed)")
     ax.legend()
