@@ -215,15 +215,17 @@ def plan_cells(args: argparse.Namespace, level: int, method: str, model: Path, d
     return runs
 
 
-def run_cells(runs: list[Run], jobs: int, out: Path, level: int) -> list[Run]:
-    """Train the unfinished ``runs`` (``jobs`` at once), each copied into the results as soon as it finishes;
-    returns the failed ones."""
+def run_cells(runs: list[Run], jobs: int, out: Path, level: int, bar=None) -> list[Run]:
+    """Train the unfinished ``runs`` (``jobs`` at once), each copied into the results as soon as it finishes (and
+    counted on ``bar``); returns the failed ones."""
     from concurrent.futures import ThreadPoolExecutor
 
     def cell(run: Run) -> bool:
         ok = train(run)
         if run.finished:
             copy_cell(run.dir, cell_dest(out, level, run.variant.name, run.seed))
+        if bar is not None:
+            bar.update(1)
         return ok
 
     # seed-major: a partial sweep already has every method of the first seeds
@@ -273,11 +275,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         and not r.finished]
                 bar.update(len(done))
                 runs = [r for r in runs if r not in done]
-                failed += run_cells(runs, args.jobs, args.out, level)
-                for run in runs:  # finished before this call (a cell is copied as it finishes)
-                    if run.finished:
-                        copy_cell(run.dir, cell_dest(args.out, level, run.variant.name, run.seed))
-                bar.update(len(runs))
+                already = [r for r in runs if r.finished]  # finished in an earlier call: copied again, counted
+                for run in already:
+                    copy_cell(run.dir, cell_dest(args.out, level, run.variant.name, run.seed))
+                bar.update(len(already))
+                failed += run_cells(runs, args.jobs, args.out, level, bar)
     collect(args.out, header, args.smoke)
     if failed:
         logger.error("%d cell(s) failed: %s; rerun the same command to resume them", len(failed),
