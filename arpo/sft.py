@@ -78,7 +78,8 @@ def build_demonstration(question: str, answer: str, plan: list[dict], tools: Map
     """Turn a gold plan into protocol text with real tool results. Returns (segments, demo kind).
 
     ``wrong_pick_prob``: a gold demonstration of a plan with a step that has ``alternatives`` (the ``pick``
-    kind's wrong entries) takes one of them instead, ending on its answer (demo kind ``wrong_pick``). Plans
+    kind's wrong entries: code, result, answer and the page entry it reads) takes one of them instead, ending on
+    its answer (demo kind ``wrong_pick``). Plans
     without alternatives draw nothing more, so their demonstrations stay what they were.
 
     ``verbose_think``: each ``<think>`` restates the query it is about to run and the fact the last result gave
@@ -112,9 +113,9 @@ def build_demonstration(question: str, answer: str, plan: list[dict], tools: Map
     picked = next((i for i, step in enumerate(steps) if step.get("alternatives")), None)
     if mode == "gold" and picked is not None and rng.random() < wrong_pick_prob:
         alt = rng.choice(steps[picked]["alternatives"])
-        wrong = {**steps[picked], "content": alt["content"], "finding": alt.get("finding", steps[picked]["finding"])}
-        steps = [*steps[:picked], wrong, *steps[picked + 1:]]
-        if picked > 0 and "entry" in alt:  # the thought before the wrong step restates the wrong entry
+        steps = [*steps[:picked], {**steps[picked], "content": alt["content"], "finding": alt["finding"]},
+                 *steps[picked + 1:]]
+        if picked > 0:  # the thought before the wrong step restates the wrong entry
             steps[picked - 1] = {**steps[picked - 1], "finding": alt["entry"]}
         mode, answer = "wrong_pick", alt["answer"]
     prefix = ""

@@ -21,6 +21,11 @@ def environ_with(changes: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def repo_path(path: Path) -> str:
+    """``path`` relative to the repository when inside it (committed files hold no absolute paths)."""
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
 def repo_relative(text: str) -> str:
     """``text`` with this checkout's absolute path taken out, so committed results hold repo-relative paths."""
     return text.replace(str(REPO) + "/", "").replace(str(REPO), ".")

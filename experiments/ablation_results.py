@@ -11,12 +11,11 @@ from typing import TYPE_CHECKING, Sequence
 
 from arpo import analysis, stats
 from arpo.evaluation.training_tables import write_training_tables
-from experiments import repo_relative
+from experiments import repo_path, repo_relative
 
 if TYPE_CHECKING:
     from experiments.ablation import Run, Suite
 
-REPO = Path(__file__).resolve().parents[1]
 #: a finished run's files copied into the results besides its metrics
 RUN_FILES = ("summary.json", analysis.RUN_RECORD)
 
@@ -76,7 +75,7 @@ def collect(suite: Suite, runs: list[Run], out: Path, header: str, smoke: bool, 
               _gain_section(out / "runs", names), _vs_baseline_section(out / "runs", names, suite.baseline),
               *[f"![{p.stem}]({p.name})\n" for p in figures], branching,
               "Per-run metrics: `runs/<variant>/seed<K>/metrics.jsonl`; every number of the table: `runs.csv`. "
-              f"Regenerate the table: `python -m arpo.tables --training-runs {_shown(out)}/runs --out {_shown(out)} "
+              f"Regenerate the table: `python -m arpo.tables --training-runs {repo_path(out)}/runs --out {repo_path(out)} "
               f"--baseline {suite.baseline}`; explore: `notebooks/arpo_analysis.ipynb`.", ""]
     (out / "README.md").write_text(repo_relative("\n".join(readme)))
 
@@ -178,11 +177,6 @@ def _branching_section(rows: dict[str, list[dict]], prompts: int) -> str:
         lines.append(f"| {name} | {s['trajectories_per_group']:.1f} | {s['forks_per_group']:.2f} | "
                      f"{s['mean_depth']:.2f} | {s['max_depth']:.0f} | {pos} |")
     return "\n".join(lines + [""])
-
-
-def _shown(path: Path) -> str:
-    """``path`` relative to the repository when inside it (the README is committed; absolute paths are not)."""
-    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 def _save(fig, path: Path, header: str) -> Path:

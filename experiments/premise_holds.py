@@ -54,7 +54,7 @@ from typing import Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from experiments import git_sha  # noqa: E402
+from experiments import git_sha, repo_path  # noqa: E402
 from experiments.ablation import ROLLOUT_KEY, SMOKE_OVERRIDES, Run, Variant, train  # noqa: E402
 from experiments.premise_holds_results import cell_dest, collect, copy_cell, fork_rate, import_cells  # noqa: E402
 
@@ -181,13 +181,9 @@ def probe_level(level: int, model: Path, data: Path, runs_dir: Path, out: Path, 
                "--initial", "1", *keys, "actor_rollout_ref.rollout.mode=single"]
         _logged(cmd, runs_dir / "logs" / f"probe_{name}.log")
     # repo-relative where they can be: the probe's JSON records its sources
-    cmd = [sys.executable, "-m", "arpo.entropy_probe", "--model", _shown(model), "--trajectories", _shown(dump),
-           "--out", _shown(out / "probe"), "--name", name]
+    cmd = [sys.executable, "-m", "arpo.entropy_probe", "--model", repo_path(model), "--trajectories", repo_path(dump),
+           "--out", repo_path(out / "probe"), "--name", name]
     _logged(cmd, runs_dir / "logs" / f"probe_{name}.log")
-
-
-def _shown(path: Path) -> str:
-    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 def _logged(cmd: list[str], log: Path) -> None:

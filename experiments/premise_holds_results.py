@@ -17,15 +17,14 @@ import csv
 import json
 import math
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 from arpo import stats
 from arpo.machine import describe_machine
-from experiments import repo_relative
+from experiments import REPO, repo_relative
+from experiments.ablation_results import FINAL_CORRECTNESS, copy_run
 
-REPO = Path(__file__).resolve().parents[1]
 CELL_COLUMNS = ("method", "level", "seed", "before", "after", "gain", "ci_low", "ci_high", "n", "tool_calls",
                 "tokens", "forks", "fork_rate", "forks_after_search", "git_sha", "machine")
 #: where a cell's forks went: per tool, the forks made right after its results and its decisions' ΔH
@@ -41,8 +40,6 @@ COMPARISONS = (("arpo", "grpo"), ("arpo", "random"), ("random", "grpo"), ("arpo_
 #: trajectories (the premise study) and the advantage suite's final answers (ARPO soft vs GRPO, 3 seeds)
 NULL_PROBE = REPO / "experiments" / "results" / "premise" / "smollm2_sft_demos.json"
 NULL_RUNS = REPO / "experiments" / "results" / "smollm2_advantage" / "runs"
-#: a finished run's files kept in a cell (summary and record with machine paths made repo-relative)
-FINAL_CORRECTNESS = "final_validation_acc.json"
 
 
 def cell_dest(out: Path, level: int, method: str, seed: int) -> Path:
@@ -50,18 +47,12 @@ def cell_dest(out: Path, level: int, method: str, seed: int) -> Path:
 
 
 def copy_cell(run_dir: Path, dest: Path) -> None:
-    """A finished cell's metrics, summary (gain, final validation, machine), driver record and per-question final
-    correctness."""
-    from experiments.ablation_results import _write_final_correctness
-    from arpo import analysis
-
-    dest.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(analysis.metrics_path(run_dir), dest / "metrics.jsonl")
+    """A finished run's files as the ablation copies them, its summary cut to what a cell reports (gain, final
+    validation, machine), and where its forks went."""
+    copy_run(run_dir, dest)
     summary = json.loads((run_dir / "summary.json").read_text())
     kept = {k: summary.get(k) for k in ("validation_gain", "final_validation", "machine")}
     (dest / "summary.json").write_text(repo_relative(json.dumps(kept, indent=2)))
-    (dest / analysis.RUN_RECORD).write_text(repo_relative((run_dir / analysis.RUN_RECORD).read_text()))
-    _write_final_correctness(run_dir / "validation", dest / FINAL_CORRECTNESS)
     (dest / FORKS).write_text(json.dumps(fork_placement(run_dir / "rollouts"), indent=1))
 
 

@@ -44,8 +44,8 @@ from arpo.data.synthetic_namesakes import build_namesakes, check_candidates
 from arpo.data.synthetic_questions import EASY_KINDS, HARD_KINDS, KINDS, PREMISE_KINDS, make_question
 from arpo.data.synthetic_world import World, add_distractors, build_world, fact_index, sentences, world_documents
 
-__all__ = ["EASY_KINDS", "HARD_KINDS", "KINDS", "SYSTEM_PROMPT", "World", "build_world", "generate", "generate_from_config", "make_rows",
-           "make_world", "world_documents"]
+__all__ = ["EASY_KINDS", "HARD_KINDS", "KINDS", "SYSTEM_PROMPT", "World", "build_world", "generate",
+           "generate_from_config", "make_rows", "make_world", "world_documents"]
 
 logger = logging.getLogger(__name__)
 
