@@ -77,7 +77,12 @@ class Preset:
         if not path.is_file():
             known = sorted(p.stem for p in folder.glob("*.yaml"))
             raise ConfigError(f"--preset {name}: no configs/pipeline/{name}.yaml; choose one of {known}")
-        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        loaded = OmegaConf.load(path)
+        # override strings stay unresolved: ${data.root} in them is resolved by each stage's own config
+        lists_raw = {k: OmegaConf.to_container(loaded, resolve=False).get(k) for k in ("overrides", "eval")}
+        raw = OmegaConf.to_container(OmegaConf.masked_copy(loaded, [k for k in loaded if k not in lists_raw]),
+                                     resolve=True)
+        raw.update({k: v for k, v in lists_raw.items() if k in loaded})
         where = f"configs/pipeline/{name}.yaml"
         unknown = set(raw) - set(PRESET_KEYS)
         if unknown:

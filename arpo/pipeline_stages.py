@@ -19,6 +19,7 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, ListConfig
 
 from arpo.config import ConfigError
+from arpo.data.release import data_root, missing_file_hint
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +81,7 @@ def check_rl_files(cfg: DictConfig) -> list[Path]:
         for path in ([value] if isinstance(value, str) else list(value)):
             p = Path(str(path)).expanduser()
             if not p.is_file():
-                raise ConfigError(f"data.{key}={path}: no such file; set ARPO_SHARED_DATA to the ARPO release data "
-                                  f"folder (it holds rl/train_10k.parquet and rl/valid.parquet) or give "
+                raise ConfigError(f"data.{key}={path}: no such file{missing_file_hint(path)}; or give "
                                   f"data.{key}=PATH")
             found.append(p)
     return found
@@ -94,8 +94,12 @@ def check_sft_file(overrides: Sequence[str]) -> None:
         raise ConfigError("sft.train_file is not set: this preset's cold start trains on recorded trajectories; give "
                           "sft.train_file=PATH (ShareGPT or messages .json/.jsonl/.parquet, e.g. ARPO-SFT-54K) or "
                           "sft.out_dir=DIR holding a cold-start checkpoint made elsewhere")
+    if "${data.root}" in train_file:
+        root = override_value(overrides, "data.root") or str(data_root())
+        train_file = train_file.replace("${data.root}", root)
     if not Path(train_file).expanduser().is_file():
-        raise ConfigError(f"sft.train_file={train_file}: no such file; give the SFT trajectory file's path")
+        raise ConfigError(f"sft.train_file={train_file}: no such file{missing_file_hint(train_file)}; or give "
+                          f"the SFT trajectory file's path")
 
 
 def is_hub_id(source: str) -> bool:

@@ -5,7 +5,7 @@
     python experiments/bench_search.py --docs 200 --queries 20 --concurrency 1 2     # smoke: seconds
 
 Prints one JSON object: index build/load seconds and queries/s for each (corpus, path, concurrency).
-The ARPO cache is read from --arpo-cache (default ``$ARPO_SHARED_DATA`` or ``<repo>/../shared/data/arpo``);
+The ARPO cache is read from --arpo-cache (default: the release data root's, ``$ARPO_DATA``);
 its section reports exact-replay hits and BM25 misses (reordered recorded queries) separately.
 """
 
@@ -106,8 +106,9 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=1000)
     parser.add_argument("--top-k", type=int, default=10)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    default_shared = Path(os.environ.get("ARPO_SHARED_DATA", REPO_ROOT.parent / "shared" / "data" / "arpo"))
-    parser.add_argument("--arpo-cache", default=str(default_shared / "search_cache" / "search_cache.json"))
+    from arpo.data.release import data_root
+
+    parser.add_argument("--arpo-cache", default=str(data_root() / "search_cache" / "search_cache.json"))
     parser.add_argument("--no-server", action="store_true", help="skip the through-the-server measurements")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -159,7 +160,7 @@ def main() -> None:
             result["arpo_cache"]["server_bm25_misses"] = bench_server(
                 ["--arpo-cache", str(cache_path)], misses, args.top_k, args.concurrency)
     else:
-        result["arpo_cache"] = f"skipped: no ARPO search cache at {cache_path} (set --arpo-cache or ARPO_SHARED_DATA)"
+        result["arpo_cache"] = f"skipped: no ARPO search cache at {cache_path} (set --arpo-cache or ARPO_DATA; python -m arpo.data.release --only search-cache fetches it)"
 
     print(json.dumps(result, indent=1))
 

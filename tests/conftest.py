@@ -23,15 +23,18 @@ TEST_SYNTHETIC_OVERRIDES = ["synthetic.sizes.train=2000", "synthetic.sizes.val=4
 
 
 def shared_data_dir() -> Path:
-    return Path(os.environ.get("ARPO_SHARED_DATA", REPO.parent / "shared" / "data" / "arpo"))
+    """The ARPO release data root the tests read: ``$ARPO_DATA``, else the project's default root."""
+    from arpo.data.release import data_root
+
+    return data_root()
 
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     path = shared_data_dir()
     if not path.is_dir():
-        pytest.skip(f"shared ARPO data not found at {path}; set ARPO_SHARED_DATA to the folder holding eval/, rl/ "
-                    f"and search_cache/ (a copy of the public ARPO release data)")
+        pytest.skip(f"ARPO release data not found at {path}; set ARPO_DATA to a data root holding eval/, rl/ and "
+                    f"search_cache/ (python -m arpo.data.release fills one)")
     return path
 
 

@@ -20,7 +20,7 @@ from tests.conftest import REPO, shared_data_dir
 
 
 def _env() -> dict[str, str]:
-    env = {**os.environ, "TQDM_DISABLE": "1", "ARPO_SHARED_DATA": str(shared_data_dir())}
+    env = {**os.environ, "TQDM_DISABLE": "1", "ARPO_DATA": str(shared_data_dir())}
     # the benchmark itself must keep vLLM off stdout, not an environment some earlier test left behind
     for key in ("VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_STREAM"):
         env.pop(key, None)

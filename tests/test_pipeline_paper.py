@@ -4,6 +4,7 @@ reach the evaluation, the checks that stop a bad run early, and the whole chain 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,8 +26,11 @@ def test_paper_preset_reads_the_release_data_and_carries_the_papers_rl_settings(
     assert p.preset.rl_data == "files" and p.preset.base_model == "Qwen/Qwen2.5-7B-Instruct"
     assert p.preset.tables_reference == str(REPO / "configs" / "paper_reported.yaml")
     rl = p.config("arpo_trainer")
-    assert Path(rl.data.train_files) == shared_data_dir() / "rl" / "train_10k.parquet" or \
-        rl.data.train_files == "../shared/data/arpo/rl/train_10k.parquet"      # ARPO_SHARED_DATA unset: the default
+    # every release path is under data.root ($ARPO_DATA, else data/arpo)
+    root = os.environ.get("ARPO_DATA", "data/arpo")
+    assert rl.data.train_files == f"{root}/rl/train_10k.parquet" and rl.data.val_files == f"{root}/rl/valid.parquet"
+    assert rl.tools[0].config.backend.cache_path == f"{root}/search_cache/search_cache.json"
+    assert Pipeline(tmp_path, PAPER).config("sft").sft.train_file == f"{root}/sft/train.parquet"
     r = rl.actor_rollout_ref.rollout
     assert (rl.data.train_batch_size, r.n, r.arpo.initial_rollouts, rl.actor_rollout_ref.actor.optim.lr) == \
         (128, 16, 8, 1e-6)
@@ -69,9 +73,11 @@ def test_a_bad_preset_is_one_error_line_naming_the_field(tmp_path, monkeypatch, 
 
 
 def test_missing_sft_file_or_rl_data_stops_before_any_model_work(tmp_path, shared_data):
-    with pytest.raises(ConfigError, match=r"sft.train_file is not set: .* give sft.train_file=PATH"):
+    # the release's SFT set is the default; absent, the error names the command that fetches it
+    with pytest.raises(ConfigError, match=r"sft.train_file=.*/sft/train.parquet: no such file; it is part of the ARPO "
+                                          r"release, fetched by python -m arpo.data.release --only sft"):
         Pipeline(tmp_path, PAPER).build_base_and_sft()
-    with pytest.raises(ConfigError, match=r"data.val_files=/nope.parquet: no such file; set ARPO_SHARED_DATA"):
+    with pytest.raises(ConfigError, match=r"data.val_files=/nope.parquet: no such file; or give data.val_files=PATH"):
         Pipeline(tmp_path, PAPER, [f"sft.train_file={SHAREGPT}", "data.val_files=/nope.parquet"]).build_base_and_sft()
     assert not (tmp_path / "models").exists()
 

@@ -24,7 +24,7 @@ RULES = {
     "an issue number": r"\bissues? #?\d+\b",
     "agents": r"\b(other|coding|AI|four|helper) agents?\b",
     "an internal goal": r"\bthe [\d.]+ ?(s|GB|x) goal\b|\bgoal (is|was) (still )?(not )?met\b",
-    "a local path": r"/work/|/root/|/home/[a-z]|\.\./shared(?!/data/arpo)",
+    "a local path": r"/work/|/root/|/home/[a-z]|\.\./shared\b",
 }
 #: files that must name host paths: the sandbox's docs and tests list what it hides (/root, /home)
 ALLOWED = {
@@ -68,13 +68,16 @@ def test_the_rules_catch_each_kind(tmp_path):
            "a numbered stop": "CI at stop 33 took", "an issue number": "fixed (issue 24)",
            "agents": "other agents edit this file", "an internal goal": "the 40 s goal is not met",
            "a local path": "see ../shared/docs/notes.md or /home/alice/x"}
-    good = ["a Ray session's temp dir", "pytest session fixture", "kill that session only",
-            "ARPO_SHARED_DATA (default ../shared/data/arpo)", "the tool_agent loop", "equivalent", "issue tracker"]
+    good = ["a Ray session's temp dir", "pytest session fixture", "kill that session only", "ARPO_DATA (default data/arpo)",
+            "the tool_agent loop", "equivalent", "issue tracker"]
     (tmp_path / "bad.md").write_text("\n".join(bad.values()) + "\n")
     (tmp_path / "good.md").write_text("\n".join(good) + "\n")
     hits = violations(tmp_path, ["bad.md", "good.md"])
     assert sorted(h.split("[")[1].split("]")[0] for h in hits) == sorted(bad)
     assert all(h.startswith("bad.md:") for h in hits)
+    # a default that points at a sibling folder of one machine's checkout is a local path too
+    (tmp_path / "sibling.md").write_text("ARPO_DATA (default ../shared/data/arpo)\n")
+    assert [h.split("[")[1].split("]")[0] for h in violations(tmp_path, ["sibling.md"])] == ["a local path"]
 
 
 #: an absolute path of one machine: a home, temp or checkout folder (the repository's own among them)

@@ -110,7 +110,10 @@ class RLDataset:
         frames = []
         for p in paths:
             if not p.exists():
-                raise FileNotFoundError(f"data file {p} does not exist: check data.train_files / data.val_files")
+                from arpo.data.release import missing_file_hint
+
+                raise FileNotFoundError(f"data file {p} does not exist{missing_file_hint(p)}: check data.train_files "
+                                        f"/ data.val_files")
             frames.append(read_data_file(p, prompt_key))
         df = pd.concat(frames, ignore_index=True)
         if prompt_key not in df.columns:

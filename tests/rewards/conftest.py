@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 
 from arpo.protocol import format_tool_result
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def shared_data_dir() -> Path:
-    """``$ARPO_SHARED_DATA`` or ``<repo>/../shared/data/arpo``."""
-    return Path(os.environ.get("ARPO_SHARED_DATA", REPO_ROOT.parent / "shared" / "data" / "arpo"))
+from tests.conftest import REPO as REPO_ROOT, shared_data_dir  # noqa: F401 (REPO_ROOT: for the tests here)
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +18,7 @@ def eval_rows():
     def load(bench: str) -> list[dict]:
         path = root / "eval" / bench / "test.jsonl"
         if not path.is_file():
-            pytest.skip(f"shared ARPO data not found at {path}; set ARPO_SHARED_DATA to the folder holding eval/")
+            pytest.skip(f"ARPO release data not found at {path}; set ARPO_DATA to a data root holding eval/")
         with open(path, encoding="utf-8") as f:
             return [json.loads(line) for line in f if line.strip()]
 

@@ -1,25 +1,25 @@
 """Replay of ARPO's search cache: exact answers for recorded queries, BM25 over its snippets for unseen ones.
 
-Tests marked ``shared_data`` read the real cache from ``$ARPO_SHARED_DATA`` (default: ``<repo>/../shared/data/arpo``)
+Tests marked ``shared_data`` read the real cache from the release data root (``$ARPO_DATA``)
 and skip when it is absent; the rest use a small cache the test writes.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
 import pytest
 
 from tools.search.arpo_cache import ArpoCacheBackend, cache_documents, load_arpo_cache
-from tools.search.base import NO_RESULTS, REPO_ROOT, parse_pages
+from tools.search.base import NO_RESULTS, parse_pages
 from tools.search.bm25 import write_jsonl_corpus
 from tools.search.factory import build_backend
 from tools.search.tool import SearchTool
+from tests.conftest import shared_data_dir
 
-SHARED = Path(os.environ.get("ARPO_SHARED_DATA", REPO_ROOT.parent / "shared" / "data" / "arpo"))
+SHARED = shared_data_dir()
 CACHE_JSON = SHARED / "search_cache" / "search_cache.json"
 
 SMALL = {
@@ -89,7 +89,7 @@ def test_bad_cache_files_name_the_problem(tmp_path):
 @pytest.fixture(scope="module")
 def shared_cache():
     if not CACHE_JSON.is_file():
-        pytest.skip(f"ARPO shared data not found at {CACHE_JSON}; set ARPO_SHARED_DATA to the folder holding "
+        pytest.skip(f"ARPO release data not found at {CACHE_JSON}; set ARPO_DATA to the data root holding "
                     "search_cache/search_cache.json (from the ARPO release) to run this test")
     return load_arpo_cache(CACHE_JSON)
 

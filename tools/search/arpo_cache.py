@@ -32,7 +32,8 @@ def load_arpo_cache(path: str | Path) -> dict[str, str]:
     if not path.is_file():
         raise FileNotFoundError(
             f"cache_path: no ARPO search cache at {path}; it ships with the ARPO release as "
-            "search_cache/search_cache.json (set cache_path to its location)")
+            "search_cache/search_cache.json: python -m arpo.data.release --only search-cache (into $ARPO_DATA), "
+            "or set cache_path to its location")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:

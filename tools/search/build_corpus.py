@@ -1,6 +1,6 @@
 """Make a JSONL search corpus: from ARPO's search cache (real web snippets) or synthetic facts.
 
-    python -m tools.search.build_corpus --from-arpo-cache ../shared/data/arpo/search_cache/search_cache.json \
+    python -m tools.search.build_corpus --from-arpo-cache $ARPO_DATA/search_cache/search_cache.json \
         --out outputs/search/corpus.jsonl
     python -m tools.search.build_corpus --synthetic 5000 --out outputs/search/synthetic.jsonl
 

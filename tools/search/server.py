@@ -1,7 +1,7 @@
 """Retrieval server: one process holds the index, rollout workers query it over HTTP on 127.0.0.1.
 
     python -m tools.search.server --corpus data/corpus.jsonl --port 8000
-    python -m tools.search.server --arpo-cache ../shared/data/arpo/search_cache/search_cache.json --port 8000
+    python -m tools.search.server --arpo-cache $ARPO_DATA/search_cache/search_cache.json --port 8000
     python -m tools.search.server --backend-config my_backend.yaml --port 8000   # any backend block, e.g. a
                                                                                # web backend with a cache_path
 
