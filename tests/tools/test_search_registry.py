@@ -87,7 +87,7 @@ def test_yaml_load_and_lookup_by_tag_and_function(tmp_path, corpus):
     reg.close()  # closing twice is safe
 
 
-def test_repo_configs_load(tmp_path, corpus):
+def test_repo_configs_load(tmp_path, corpus, monkeypatch):
     """configs/tools/*.yaml load once their data paths point somewhere real."""
     from omegaconf import OmegaConf
 
@@ -108,6 +108,17 @@ def test_repo_configs_load(tmp_path, corpus):
     arpo["tools"][0]["config"]["backend"]["cache_path"] = str(cache)
     arpo["tools"][1]["class_name"] = PYTHON_CLASS
     assert load_tools(arpo)["search"].call_text("who is here") == "Page 1: we are"
+
+    # the live-web preset asks for its credentials by name, and takes another engine by its type alone
+    web = OmegaConf.to_container(OmegaConf.load(REPO_ROOT / "configs/tools/web.yaml"))
+    web["tools"][1]["class_name"] = PYTHON_CLASS
+    for var in ("BRIGHTDATA_API_KEY", "BRIGHTDATA_ZONE", "SERPER_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ToolConfigError, match="BRIGHTDATA_API_KEY"):
+        load_tools(web)
+    web["tools"][0]["config"]["backend"]["type"] = "serper"
+    monkeypatch.setenv("SERPER_API_KEY", "k")
+    assert load_tools(web).tags == ["search", "python"]
 
 
 def test_accepts_omegaconf_and_plain_lists(corpus):
