@@ -9,7 +9,12 @@ repetition penalty 1.1, at most 5 python and 10 search calls), ``eval.num_runs``
 Every finished sample is appended to ``<run_dir>/samples/<benchmark>.jsonl`` at once (question, prompt, full
 response with tool results, extracted answer, metrics, tool-call counts, run index, seed); a rerun skips
 the samples already there, so a killed evaluation continues where it stopped. ``<run_dir>/summary.json``
-holds per benchmark: mean and std over runs of each metric, pass@k, tool calls per question.
+holds per benchmark: mean and std over runs of each metric, pass@k, tool calls per question, truncated samples.
+
+Each benchmark's samples get its response budget (``eval.max_response_length_per_benchmark``; a benchmark with
+no entry, or a null one, gets ``actor_rollout_ref.rollout.arpo.sampling.max_response_length``). run.json keeps the
+budget of every benchmark evaluated into the folder, and a rerun that would give a benchmark with samples
+another budget is refused, as for the other sampling settings.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from arpo.evaluation.benchmarks import (EvalItem, encode_prompt, load_jsonl_benc
                                         parquet_benchmark_name)
 from arpo.evaluation.metrics import PROFILES, summarise_profiles
 from arpo.evaluation.prompts import PROMPT_TYPES, describe_tools, system_prompt
-from arpo.evaluation.records import load_run_samples, load_samples, sample_key, samples_path
+from arpo.evaluation.records import SAMPLES_DIR, load_run_samples, load_samples, sample_key, samples_path
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +41,10 @@ RUN_FILE = "run.json"
 SUMMARY_FILE = "summary.json"
 #: run.json fields that must match for a rerun to add samples to an existing run directory
 FINGERPRINT_KEYS = ("method", "seed", "model_path", "sampling", "tool_limits", "tools", "reward", "require_format")
+#: the per-benchmark response budgets (benchmark -> tokens) and the global one they fall back to; run.json
+#: binds each benchmark that has samples to its budget
+BUDGET_KEY = "eval.max_response_length_per_benchmark"
+GLOBAL_BUDGET_KEY = "actor_rollout_ref.rollout.arpo.sampling.max_response_length"
 
 
 def _resolve_path(value: str) -> Path:
@@ -77,7 +86,25 @@ def _check_settings(cfg: DictConfig) -> None:
         raise ConfigError(f"eval.max_samples={e.max_samples}: must be >= 1 or null (all questions)")
     if not list(e.benchmarks) and not list(e.parquet_files):
         raise ConfigError("nothing to evaluate: eval.benchmarks and eval.parquet_files are both empty")
+    _check_budgets(cfg)
     configured_template(cfg)
+
+
+def _check_budgets(cfg: DictConfig) -> None:
+    table = cfg.eval.max_response_length_per_benchmark
+    if table is not None and not isinstance(table, DictConfig):
+        raise ConfigError(f"{BUDGET_KEY}={table!r}: give a mapping benchmark -> response tokens, e.g. {{gsm8k: 2048}}")
+    for name, value in (table or {}).items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{BUDGET_KEY}.{name}={value!r}: give a number of response tokens >= 1, or null for "
+                              f"{GLOBAL_BUDGET_KEY}")
+
+
+def response_budgets(cfg: DictConfig, benchmarks: Sequence[str]) -> dict[str, int]:
+    """Each benchmark's response budget: its entry in eval.max_response_length_per_benchmark, else the global one."""
+    default = int(cfg.actor_rollout_ref.rollout.arpo.sampling.max_response_length)
+    table = cfg.eval.max_response_length_per_benchmark or {}
+    return {b: int(table[b]) if table.get(b) is not None else default for b in benchmarks}
 
 
 def _reward_family(compute_score: Any, data_source: str) -> str | None:
@@ -158,21 +185,36 @@ def _fingerprint(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
-def _prepare_run_dir(run_dir: Path, cfg: DictConfig) -> dict[str, Any]:
-    """Write run.json, or check that an existing one was made with the same settings."""
+def _prepare_run_dir(run_dir: Path, cfg: DictConfig, budgets: dict[str, int] | None = None) -> dict[str, Any]:
+    """Write run.json, or check that an existing one was made with the same settings (``budgets``: the response
+    budget of each benchmark evaluated now)."""
+    budgets = dict(budgets or {})
     meta = {**_fingerprint(cfg), "prompt_type": cfg.eval.prompt_type, "math_prompt_type": cfg.eval.math_prompt_type,
             "num_runs": int(cfg.eval.num_runs), "pass_threshold": float(cfg.eval.pass_threshold),
-            "metric_profile": str(cfg.eval.metric_profile)}
+            "metric_profile": str(cfg.eval.metric_profile), "response_budgets": budgets}
     path = run_dir / RUN_FILE
     if path.exists():
         old = json.loads(path.read_text())
         changed = [k for k in FINGERPRINT_KEYS if old.get(k) != meta.get(k)]
+        old_budgets = old.get("response_budgets")
+        if old_budgets is None:  # a run.json from before per-benchmark budgets: every sample had the global one
+            old_global = (old.get("sampling") or {}).get("max_response_length")
+            old_budgets = {p.stem: old_global for p in (run_dir / SAMPLES_DIR).glob("*.jsonl")}
+        # a benchmark is bound to its budget once it has samples; the others may take any budget
+        changed += [f"response_budgets.{b}" for b, n in budgets.items()
+                    if b in old_budgets and old_budgets[b] != n and samples_path(run_dir, b).exists()]
         if changed:
             key = changed[0]
+            there, now = old.get(key), meta.get(key)
+            if key.startswith("response_budgets."):
+                bench = key.split(".", 1)[1]
+                there, now = old_budgets[bench], budgets[bench]
+                key += f" (set by {BUDGET_KEY}.{bench} or {GLOBAL_BUDGET_KEY})"
             raise ConfigError(
-                f"{run_dir} holds an evaluation with other settings ({key}: {json.dumps(old.get(key))[:200]} "
-                f"there, {json.dumps(meta.get(key))[:200]} now); its samples would mix. Use another "
+                f"{run_dir} holds an evaluation with other settings ({key}: {json.dumps(there)[:200]} "
+                f"there, {json.dumps(now)[:200]} now); its samples would mix. Use another "
                 f"eval.run_dir, eval.method or eval.seed, or delete that folder")
+        meta["response_budgets"] = {**old_budgets, **budgets}
     run_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
     return meta
@@ -250,7 +292,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     except KeyError as err:
         raise ConfigError(f"{err.args[0]} (a parquet file's data_source can be set in eval.parquet_files)") from None
     run_dir = run_dir_of(cfg)
-    meta = _prepare_run_dir(run_dir, cfg)
+    budgets = response_budgets(cfg, list(dict.fromkeys(it.benchmark for it in items)))
+    meta = _prepare_run_dir(run_dir, cfg, budgets)
     num_runs = int(cfg.eval.num_runs)
     done = _finished_keys(run_dir, items)
     pending = [(it, r) for it in items for r in range(num_runs) if (it.benchmark, it.index, r) not in done]
@@ -258,8 +301,9 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     logger.info("eval %s seed %d: %d samples (%d questions x %d runs), %d already in %s, %d to run",
                 meta["method"], meta["seed"], total, len(items), num_runs, total - len(pending), run_dir,
                 len(pending))
+    logger.info("response budgets (tokens): %s", ", ".join(f"{b} {n}" for b, n in budgets.items()))
     if pending:
-        _generate(cfg, rollout_config, grader, run_dir, meta, pending)
+        _generate(cfg, rollout_config, grader, run_dir, meta, pending, budgets)
     expected = {}
     for it in items:
         expected[it.benchmark] = expected.get(it.benchmark, 0) + 1
@@ -269,7 +313,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _generate(cfg: DictConfig, rollout_config: Any, grader: Any, run_dir: Path, meta: dict[str, Any],
-              pending: list[tuple[EvalItem, int]]) -> None:
+              pending: list[tuple[EvalItem, int]], budgets: dict[str, int]) -> None:
     """Start the tokenizer, tools and engine, run the pending samples, and shut everything down."""
     from arpo.chat_templates import tokenizer_for
     from arpo.engine.factory import create_engine
@@ -303,7 +347,7 @@ def _generate(cfg: DictConfig, rollout_config: Any, grader: Any, run_dir: Path, 
             runner = EvalRunner(engine, tokenizer, executor, rollout_config, limits,
                                 ("search",) if cfg.eval.refuse_repeated_search else (), grader, writer,
                                 method=meta["method"], seed=meta["seed"], concurrency=int(cfg.eval.concurrency),
-                                show_progress=bool(cfg.eval.show_progress))
+                                show_progress=bool(cfg.eval.show_progress), response_budgets=budgets)
             written = asyncio.run(runner.run(specs))
             logger.info("wrote %d samples (session %s)", written, runner.session)
     finally:
@@ -322,5 +366,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         k = max((int(k) for k in s["pass@k"]), default=1)
         pk = s["pass@k"].get(str(k))
         pass_text = f"pass@{k} {100 * pk:.1f}" if pk is not None else ""
+        truncated = s.get("truncated", {}).get("count", 0)
+        cut = f", {truncated} truncated" if truncated else ""
         print(f"  {bench:<12} acc {100 * acc['mean']:.1f}{std}  {pass_text}  tool calls/q {tools['mean']:.2f}  "
-              f"({s['num_samples']} samples)")
+              f"({s['num_samples']} samples{cut})")

@@ -1,4 +1,5 @@
-"""Per-benchmark summaries of per-sample records: mean and std over runs, pass@k, tool calls per question.
+"""Per-benchmark summaries of per-sample records: mean and std over runs, pass@k, tool calls per question,
+samples truncated at their response budget.
 
 Each run (one sample per question) gives one value per metric: the mean over the questions it covers.
 ``mean``/``std`` are over those run values (``std``: sample standard deviation, ddof=1; ``None`` with
@@ -124,6 +125,9 @@ def summarise_benchmark(records: Iterable[dict[str, Any]], pass_threshold: float
         vals = [pass_at_k(len(by_question[q]), correct[q], k) for q in by_question if len(by_question[q]) >= k]
         out["pass@k"][str(k)] = _mean(vals)
     out["finish_reasons"] = dict(Counter(str(r.get("finish_reason", "")) for r in records))
+    # a sample that reached its response budget; records from before the field: finish_reason length
+    cut = sum(bool(r.get("truncated", r.get("finish_reason") == "length")) for r in records)
+    out["truncated"] = {"count": cut, "rate": cut / len(records) if records else None}
     out["response_tokens"] = mean_std([float(r.get("response_tokens", 0)) for r in records])
     return out
 

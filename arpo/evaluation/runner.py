@@ -7,6 +7,11 @@ appended to its benchmark's JSONL the moment it ends. ``concurrency`` samples ar
 the engine batches their requests (and the prefix cache shares the prompt of a question's runs, which
 are queued next to each other).
 
+Each benchmark has its own response budget (``response_budgets``, from ``eval.max_response_length_per_benchmark``;
+the rollout config's ``sampling.max_response_length`` for the others). A sample that reaches it is recorded with
+``truncated: true`` (``finish_reason`` ``length``). The bar (:mod:`arpo.evaluation.progress`) counts finished
+samples and shows the samples in flight and the tokens they generate, updated after every engine request.
+
 Grading runs in the event loop's thread, the main thread: math-verify's time limits use ``SIGALRM``,
 which works only there, and grading one answer takes milliseconds against seconds of generation.
 """
@@ -19,10 +24,11 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 from arpo.evaluation.benchmarks import EvalItem
 from arpo.evaluation.metrics import arpo_metrics, released_task
+from arpo.evaluation.progress import EvalProgress, TokenCountingEngine
 from arpo.evaluation.records import SampleWriter
 from arpo.evaluation.tool_limits import TrajectoryToolLimits
 from arpo.protocol import extract_answer
@@ -95,7 +101,8 @@ class EvalRunner:
 
     def __init__(self, engine: Any, tokenizer: Any, executor: ToolExecutor, rollout_config: ARPORolloutConfig,
                  tool_limits: dict[str, int], refuse_repeated: tuple[str, ...], grader: Grader,
-                 writer: SampleWriter, method: str, seed: int, concurrency: int = 64, show_progress: bool = True):
+                 writer: SampleWriter, method: str, seed: int, concurrency: int = 64, show_progress: bool = True,
+                 response_budgets: Mapping[str, int] | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.executor = executor
@@ -108,17 +115,39 @@ class EvalRunner:
         self.seed = int(seed)
         self.concurrency = max(1, int(concurrency))
         self.show_progress = show_progress
+        #: benchmark -> response tokens per sample (the others: rollout_config.sampling.max_response_length)
+        self.response_budgets = {str(k): int(v) for k, v in (response_budgets or {}).items()}
+        self._configs: dict[int, ARPORolloutConfig] = {}
+        #: the run's bar while :meth:`run` runs
+        self.progress: EvalProgress | None = None
         #: identifies the process that wrote a record (a resumed run writes a new one)
         self.session = uuid.uuid4().hex[:12]
 
     def sample_seed(self, item: EvalItem, run: int) -> int:
         return derive_seed(self.seed, item.benchmark, item.index, run)
 
+    def response_budget(self, benchmark: str) -> int:
+        return self.response_budgets.get(benchmark, self.rollout_config.sampling.max_response_length)
+
+    def _config_for(self, budget: int) -> ARPORolloutConfig:
+        if budget not in self._configs:
+            self._configs[budget] = self.rollout_config.updated({"sampling.max_response_length": budget})
+        return self._configs[budget]
+
+    def _counted_engine(self) -> Any:
+        """The engine as this run's samples see it: every request's tokens reach the bar."""
+        if self.progress is None:
+            return self.engine
+        if isinstance(self.engine, Sequence):
+            return [TokenCountingEngine(e, self.progress.generated) for e in self.engine]
+        return TokenCountingEngine(self.engine, self.progress.generated)
+
     async def run_sample(self, spec: SampleSpec) -> dict[str, Any]:
         item, run = spec.item, spec.run
         seed = self.sample_seed(item, run)
+        budget = self.response_budget(item.benchmark)
         limits = TrajectoryToolLimits(self.executor, self.tool_limits, self.refuse_repeated)
-        rollout = ARPORollout(self.engine, self.tokenizer, self.rollout_config, executor=limits)
+        rollout = ARPORollout(self._counted_engine(), self.tokenizer, self._config_for(budget), executor=limits)
         start = time.perf_counter()
         batch = await rollout.agenerate([spec.prompt_ids], seed=seed)
         elapsed = time.perf_counter() - start
@@ -132,6 +161,7 @@ class EvalRunner:
         graded = self.grader.grade(item.data_source, response, item.ground_truth, extra_info)
         metrics = {k: graded[k] for k in ("score", "acc", "em", "f1", "format_ok") if k in graded}
         executed = dict(limits.executed)
+        finish_reason = str(batch.non_tensors["finish_reason"][0])
         record = {
             "benchmark": item.benchmark, "index": item.index, "run": run, "seed": seed,
             "method": self.method, "run_seed": self.seed,
@@ -145,7 +175,9 @@ class EvalRunner:
             "tool_calls": {"total": sum(executed.values()), "search": executed.get("search", 0),
                            "python": executed.get("python", 0), "refused": sum(limits.refused.values())},
             "tool_call_records": [{k: c.get(k) for k in ("tool", "start", "end", "error")} for c in call_records],
-            "finish_reason": str(batch.non_tensors["finish_reason"][0]),
+            "finish_reason": finish_reason,
+            # the rollout ends a trajectory with "length" exactly when its response reached the budget
+            "truncated": finish_reason == "length", "response_budget": budget,
             "response_tokens": valid, "model_tokens": model_tokens,
             "time_s": round(elapsed, 3), "session": self.session,
         }
@@ -158,30 +190,27 @@ class EvalRunner:
 
     async def run(self, specs: list[SampleSpec]) -> int:
         """Run every spec; return how many records were written."""
-        from tqdm.auto import tqdm
-
         queue: asyncio.Queue[SampleSpec] = asyncio.Queue()
         for spec in specs:
             queue.put_nowait(spec)
-        bar = tqdm(total=len(specs), desc="eval", unit="sample", disable=not self.show_progress)
+        progress = self.progress = EvalProgress(len(specs), enabled=self.show_progress)
         written = 0
-        acc_sum = 0.0
 
         async def worker() -> None:
-            nonlocal written, acc_sum
+            nonlocal written
             while True:
                 try:
                     spec = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                record = await self.run_sample(spec)
+                progress.sample_started()
+                record = await self.run_sample(spec)  # a failure ends the run (and the bar) below
                 self.writer.write(record)
                 written += 1
-                acc_sum += float(record["metrics"].get("acc", 0.0))
-                bar.update(1)
-                bar.set_postfix(acc=f"{acc_sum / written:.3f}", refresh=False)
+                progress.sample_finished(record)
 
         tasks = [asyncio.ensure_future(worker()) for _ in range(min(self.concurrency, len(specs)))]
+        heartbeat = asyncio.ensure_future(progress.heartbeat())
         try:
             await asyncio.gather(*tasks)
         except BaseException:
@@ -190,5 +219,8 @@ class EvalRunner:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
         finally:
-            bar.close()
+            heartbeat.cancel()
+            await asyncio.gather(heartbeat, return_exceptions=True)
+            progress.close()
+            self.progress = None
         return written

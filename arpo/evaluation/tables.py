@@ -10,7 +10,8 @@ per-benchmark summary from its per-sample JSONL (so a table never reflects a sta
   GAIA per level (Level 1-3, from the rows' ``Level``) before its overall column;
 - ``other.{md,tex,csv}`` — every other benchmark found (e.g. the synthetic one), when there is any;
 - ``values.csv`` — one row per (method, seed, benchmark): the number that went into the tables, the
-  per-run values it is the mean of, question and sample counts, and the samples file it came from;
+  per-run values it is the mean of, question and sample counts, the samples that reached their response
+  budget (``truncated``, ``truncated_rate``), and the samples file it came from;
 - ``profiles.{md,csv}`` — every benchmark's accuracy under both metric profiles side by side, with the
   difference: ``arpo`` (the released ARPO evaluation's metrics, what the paper's tables used) and ``strict``
   (ours: math-verify, SQuAD F1). The tables themselves use ``--profile`` (default ``arpo``), named in their
@@ -317,6 +318,8 @@ def value_rows(runs: list[RunResult], metric: str) -> list[dict[str, Any]]:
                 "tool_calls_per_question": s["tool_calls_total"]["mean"],
                 "search_per_question": s["tool_calls_search"]["mean"],
                 "python_per_question": s["tool_calls_python"]["mean"],
+                "truncated": s["truncated"]["count"],
+                "truncated_rate": "" if s["truncated"]["rate"] is None else s["truncated"]["rate"],
                 "samples_file": str(samples_path(r.run_dir, bench)),
             })
     return rows

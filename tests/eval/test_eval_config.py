@@ -145,3 +145,57 @@ def test_rerun_with_other_settings_or_changed_questions_is_refused(data_dir, tmp
     (data_dir / "bamboogle" / "test.jsonl").write_text("\n".join([lines[1], lines[0], *lines[2:]]) + "\n")
     with pytest.raises(ConfigError, match="made for another question"):
         evaluate(_cfg(data_dir, tmp_path, *base))
+
+
+def test_response_budgets_per_benchmark_and_their_checks(data_dir, tmp_path):
+    from arpo.evaluation.evaluate import response_budgets
+
+    names = ["gsm8k", "bamboogle", "gaia", "hle", "synthetic"]
+    cfg = load_config("eval", [])
+    # Table 1 and any unlisted benchmark: the global budget; deep search: the deep-search recipe's length
+    assert response_budgets(cfg, names) == {"gsm8k": 8192, "bamboogle": 8192, "gaia": 10000, "hle": 10000,
+                                            "synthetic": 8192}
+    # the small-model line of configs/eval.yaml's header (bash expands the braces into four overrides)
+    small = load_config("eval", ["actor_rollout_ref.rollout.arpo.sampling.max_response_length=1024",
+                                 *[f"eval.max_response_length_per_benchmark.{b}=1024"
+                                   for b in ("gaia", "hle", "webwalker", "xbench")]])
+    assert set(response_budgets(small, names).values()) == {1024}
+    own = load_config("eval", ["eval.max_response_length_per_benchmark.gsm8k=2048",
+                               "+eval.max_response_length_per_benchmark.synthetic=512"])
+    assert response_budgets(own, names) == {"gsm8k": 2048, "bamboogle": 8192, "gaia": 10000, "hle": 10000,
+                                            "synthetic": 512}
+    for bad, shown in (("0", "0"), ("many", "'many'"), ("1.5", "1.5"), ("true", "True")):
+        with pytest.raises(ConfigError, match=rf"^eval.max_response_length_per_benchmark.gsm8k={shown}: give a "
+                                              r"number of response tokens >= 1, or null for actor_rollout_ref"):
+            evaluate(_cfg(data_dir, tmp_path, f"eval.max_response_length_per_benchmark.gsm8k={bad}"))
+    with pytest.raises(ConfigError, match=r"^eval.max_response_length_per_benchmark=\[1\]: give a mapping"):
+        evaluate(_cfg(data_dir, tmp_path, "~eval.max_response_length_per_benchmark",
+                      "+eval.max_response_length_per_benchmark=[1]"))
+
+
+def test_a_benchmark_with_samples_keeps_its_response_budget(data_dir, tmp_path):
+    base = ["eval.benchmarks=[bamboogle]", "eval.max_samples=2", "actor_rollout_ref.model.path=/nonexistent"]
+    run_dir = tmp_path / "run"
+    _write_done(run_dir, ["Who is person 0?", "Who is person 1?"])
+    evaluate(_cfg(data_dir, tmp_path, *base))
+    meta = json.loads((run_dir / "run.json").read_text())
+    assert meta["response_budgets"] == {"bamboogle": 8192}
+    with pytest.raises(ConfigError, match=r"other settings \(response_budgets.bamboogle \(set by "
+                                          r"eval.max_response_length_per_benchmark.bamboogle or .*\): 8192 there, "
+                                          r"2048 now\)"):
+        evaluate(_cfg(data_dir, tmp_path, *base, "eval.max_response_length_per_benchmark.bamboogle=2048"))
+    # another benchmark's budget does not touch bamboogle's samples
+    evaluate(_cfg(data_dir, tmp_path, *base, "eval.max_response_length_per_benchmark.gaia=2048"))
+    # a run.json written before per-benchmark budgets: its samples had the global budget
+    meta = json.loads((run_dir / "run.json").read_text())
+    del meta["response_budgets"]
+    (run_dir / "run.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match=r"response_budgets.bamboogle .* 8192 there, 2048 now"):
+        evaluate(_cfg(data_dir, tmp_path, *base, "eval.max_response_length_per_benchmark.bamboogle=2048"))
+    evaluate(_cfg(data_dir, tmp_path, *base))
+    assert json.loads((run_dir / "run.json").read_text())["response_budgets"] == {"bamboogle": 8192}
+    # gaia has no samples here yet: it takes any budget (generation then needs the model), and run.json keeps both
+    with pytest.raises(ConfigError, match="actor_rollout_ref.model.path=/nonexistent"):
+        evaluate(_cfg(data_dir, tmp_path, "eval.benchmarks=[gaia]", "actor_rollout_ref.model.path=/nonexistent",
+                      "eval.max_response_length_per_benchmark.gaia=4096"))
+    assert json.loads((run_dir / "run.json").read_text())["response_budgets"] == {"bamboogle": 8192, "gaia": 4096}

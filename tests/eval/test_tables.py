@@ -74,6 +74,11 @@ def test_latex_and_deep_search_and_other_tables(runs, tmp_path):
 
 
 def test_values_csv_traces_every_number(runs, tmp_path):
+    # one math500 sample ran to its budget, recorded before records had `truncated`: its finish_reason says so
+    path = runs / "grpo" / "seed0" / "samples" / "math500.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    lines[0]["finish_reason"] = "length"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     out = tmp_path / "tables"
     make_tables([str(runs)], out)
     values = _csv(out / "values.csv")
@@ -83,6 +88,8 @@ def test_values_csv_traces_every_number(runs, tmp_path):
     assert row["per_run_values"] == "1;0.5"
     assert row["num_runs"] == "2" and row["num_questions"] == "2" and row["num_samples"] == "4"
     assert row["samples_file"].endswith("grpo/seed0/samples/math500.jsonl")
+    assert (row["truncated"], row["truncated_rate"]) == ("1", "0.25")
+    assert {(r["truncated"], r["truncated_rate"]) for r in values if r is not row} == {("0", "0.0")}
 
 
 def test_pass_at_k_metric(runs, tmp_path):
