@@ -102,6 +102,10 @@ def check_sft_file(overrides: Sequence[str]) -> None:
                           f"the SFT trajectory file's path")
 
 
+#: an HF checkpoint's files: weights, config, tokenizer (no other weight formats)
+MODEL_FILES = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken")
+
+
 def is_hub_id(source: str) -> bool:
     """``Qwen/Qwen2.5-7B-Instruct``-like and not a local path."""
     return bool(_HUB_ID.match(source)) and not Path(source).expanduser().exists()
@@ -112,8 +116,7 @@ def download_base_model(repo_id: str, out_dir: Path) -> Path:
     from huggingface_hub import snapshot_download
 
     logger.info("downloading %s from the Hugging Face Hub into %s", repo_id, out_dir)
-    snapshot_download(repo_id=repo_id, local_dir=str(out_dir),
-                      allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"])
+    snapshot_download(repo_id=repo_id, local_dir=str(out_dir), allow_patterns=list(MODEL_FILES))
     return out_dir
 
 

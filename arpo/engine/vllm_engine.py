@@ -33,7 +33,7 @@ import logging
 import os
 import time
 import weakref
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -69,6 +69,9 @@ class VLLMEngine:
         self.config = config if isinstance(config, EngineConfig) else EngineConfig.from_mapping(config)
         self.config.validate()
         cfg = self.config
+        # Called with each chunk of new tokens while a request generates (the evaluation's progress bar); None:
+        # vLLM returns each request once, finished, as training needs.
+        self.token_listener: Callable[[int], None] | None = None
         configure_vllm_env(cfg.cpu_kvcache_space_gb, cfg.v1_multiprocessing)
         self.device = default_device()
         if self.device == "cuda":
@@ -120,7 +123,7 @@ class VLLMEngine:
         logger.info("vLLM engine ready in %.1f s (%s, %s, max_model_len=%d, prefix caching %s)",
                     self.startup_seconds, self.device, dtype, self.max_model_len, cfg.enable_prefix_caching)
 
-    def _vllm_sampling_params(self, sp: SamplingParams, prompt_len: int):
+    def _vllm_sampling_params(self, sp: SamplingParams, prompt_len: int, stream: bool = False):
         from vllm import SamplingParams as VSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -145,7 +148,7 @@ class VLLMEngine:
             detokenize=sp.detokenize,
             skip_special_tokens=False,
             spaces_between_special_tokens=False,
-            output_kind=RequestOutputKind.FINAL_ONLY,
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
             **flat,
         )
 
@@ -162,21 +165,30 @@ class VLLMEngine:
         if len(prompt_ids) >= self.max_model_len:
             return GenerationOutput(token_ids=[], text="", finish_reason="length", logprobs=[] if
                                     sampling_params.logprobs is not None else None, num_cached_tokens=0)
-        params = self._vllm_sampling_params(sampling_params, len(prompt_ids))
+        # A listener gets the tokens as they come (vLLM's deltas, joined here); requests that want log-probs come
+        # whole, as their flat log-prob lists do not join.
+        listener = self.token_listener if sampling_params.logprobs is None else None
+        params = self._vllm_sampling_params(sampling_params, len(prompt_ids), stream=listener is not None)
         start = time.perf_counter()
         final = None
+        token_ids: list[int] = []
+        texts: list[str] = []
         # Every caller (the ARPO rollout, the agent loop, the weight-sync probe) reaches vLLM here, so the current
         # adapter is attached here and nowhere else.
         async for out in self._llm.generate(tokens_input(prompt_ids), params, request_id,
                                             lora_request=self._lora_request):
             final = out
+            if listener is not None:
+                token_ids.extend(out.outputs[0].token_ids)
+                texts.append(out.outputs[0].text)
+                listener(len(out.outputs[0].token_ids))
         if final is None:  # pragma: no cover - vLLM always yields the finished output
             raise RuntimeError(f"vLLM returned no output for request {request_id}")
         completion = final.outputs[0]
         logprobs = _logprob_dicts(completion.logprobs)
         return GenerationOutput(
-            token_ids=list(completion.token_ids),
-            text=completion.text,
+            token_ids=token_ids if listener is not None else list(completion.token_ids),
+            text="".join(texts) if listener is not None else completion.text,
             finish_reason=completion.finish_reason or "abort",
             stop_reason=completion.stop_reason,
             logprobs=logprobs,

@@ -23,10 +23,11 @@ import asyncio
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from arpo.config import REPO_ROOT, ConfigError
 from arpo.evaluation.benchmarks import (EvalItem, encode_prompt, load_jsonl_benchmark, load_parquet_benchmark,
@@ -55,8 +56,43 @@ def _resolve_path(value: str) -> Path:
     return REPO_ROOT / p
 
 
+#: a model the Hub cache holds: .../models--<owner>--<name>/snapshots/<commit>
+_HUB_SNAPSHOT = re.compile(r"models--(?P<owner>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<commit>[0-9a-f]+)/?$")
+
+
+def resolve_hub_model(cfg: DictConfig) -> None:
+    """A Hub model ID in ``actor_rollout_ref.model.path`` (``dongguanting/Qwen2.5-7B-ARPO``), as transformers and
+    vLLM take one: downloaded once into the Hub cache (resumable), the path set to that snapshot."""
+    from arpo.pipeline_stages import MODEL_FILES, is_hub_id
+
+    path = str(cfg.actor_rollout_ref.model.path)
+    if not is_hub_id(path):
+        return
+    from huggingface_hub import snapshot_download
+
+    logger.info("fetching %s from the Hugging Face Hub (its cache is reused)", path)
+    try:
+        local = snapshot_download(repo_id=path, allow_patterns=list(MODEL_FILES))
+    except Exception as err:  # noqa: BLE001 — every Hub failure (network, gated, unknown ID) is one config line
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise ConfigError(f"actor_rollout_ref.model.path={path}: not fetched from the Hugging Face Hub ({first}); "
+                          f"check the ID and the network, `huggingface-cli login` for a gated model, or give a "
+                          f"local HF checkpoint directory") from None
+    with open_dict(cfg):
+        cfg.actor_rollout_ref.model.path = str(local)
+
+
+def model_label(path: str) -> str:
+    """What a run records as its model: ``owner/name@commit`` for a Hub snapshot, else the path as given."""
+    m = _HUB_SNAPSHOT.search(str(path))
+    return f"{m['owner']}/{m['name']}@{m['commit']}" if m else str(path)
+
+
 def _method(cfg: DictConfig) -> str:
-    return str(cfg.eval.method) if cfg.eval.method else Path(str(cfg.actor_rollout_ref.model.path)).name
+    if cfg.eval.method:
+        return str(cfg.eval.method)
+    m = _HUB_SNAPSHOT.search(str(cfg.actor_rollout_ref.model.path))
+    return m["name"] if m else Path(str(cfg.actor_rollout_ref.model.path)).name
 
 
 def run_dir_of(cfg: DictConfig) -> Path:
@@ -136,9 +172,12 @@ def load_items(cfg: DictConfig, compute_score: Any) -> list[EvalItem]:
         bench = str(bench)
         path = data_dir / bench / "test.jsonl"
         if not path.is_file():
-            raise ConfigError(f"eval.benchmarks: no {path}; put the benchmark there (ARPO release: "
-                              f"evaluation/data/{bench}/test.jsonl), point eval.data_dir (or $ARPO_SHARED_DATA) "
-                              f"at the folder holding it, or drop {bench} from eval.benchmarks")
+            from arpo.data.release import EVAL_BENCHMARKS
+
+            fetch = ("python -m arpo.data.release --only eval (into $ARPO_DATA), " if bench in EVAL_BENCHMARKS
+                     else "put the benchmark there, ")
+            raise ConfigError(f"eval.benchmarks: no {path}; {fetch}point eval.data_dir at the folder holding it, "
+                              f"or drop {bench} from eval.benchmarks")
         prompt_type = e.prompt_type
         if e.math_prompt_type and _reward_family(compute_score, bench) == "math":
             prompt_type = e.math_prompt_type
@@ -171,7 +210,7 @@ def _fingerprint(cfg: DictConfig) -> dict[str, Any]:
     return {
         "method": _method(cfg),
         "seed": int(cfg.eval.seed),
-        "model_path": str(cfg.actor_rollout_ref.model.path),
+        "model_path": model_label(str(cfg.actor_rollout_ref.model.path)),
         "sampling": {k: OmegaConf.to_container(a.sampling)[k] for k in
                      ("temperature", "top_p", "top_k", "repetition_penalty", "max_response_length", "extra_stop")},
         "tool_limits": {"python": int(cfg.eval.max_python_calls), "search": int(cfg.eval.max_search_calls),
@@ -277,6 +316,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     from reward_fns.registry import build_compute_score
 
     _check_settings(cfg)
+    resolve_hub_model(cfg)
     rollout_config = _build_rollout_config(cfg)
     try:
         compute_score = build_compute_score(cfg)

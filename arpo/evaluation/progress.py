@@ -3,14 +3,14 @@
 A bar that counts only finished samples stands still for as long as the slowest samples run, which for a
 model that rambles to an 8,192-token budget is minutes ("28/32" with a busy engine looks hung). So the bar
 also shows, in its postfix, how many samples are in flight and how many tokens have been generated (and at
-what rate), updated after every engine request of every sample (:class:`TokenCountingEngine`): each
-generation turn of a multi-turn sample moves it. A heartbeat redraws the bar every ``refresh_s`` seconds
+what rate). The in-process vLLM engine reports tokens as they are generated (its ``token_listener``), so
+even one long request moves the bar; other engines report each request's tokens when it ends
+(:class:`TokenCountingEngine`), so each generation turn of a multi-turn sample moves it. A heartbeat redraws the bar every ``refresh_s`` seconds
 (1 on a terminal, 30 into a log file, where each redraw is written out), so its clock keeps running even
 while no request finishes.
 
-The engine interface returns a request's tokens when the request ends, so the tokens of one long request
-(a single turn that runs to the budget) show up when it ends; until then ``in_flight`` and the running
-clock say the sample is still being generated.
+With those engines the tokens of one long request (a single turn that runs to the budget) show up when it
+ends; until then ``in_flight`` and the running clock say the sample is still being generated.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class EvalProgress:
         self._show()
 
     def generated(self, n_tokens: int) -> None:
-        """One engine request of a sample in flight ended with ``n_tokens`` new tokens."""
+        """A sample in flight generated ``n_tokens`` more tokens."""
         self.tokens += int(n_tokens)
         self._show()
 

@@ -138,6 +138,11 @@ class EvalRunner:
         """The engine as this run's samples see it: every request's tokens reach the bar."""
         if self.progress is None:
             return self.engine
+        engines = list(self.engine) if isinstance(self.engine, Sequence) else [self.engine]
+        if all(hasattr(e, "token_listener") for e in engines):
+            for e in engines:  # an in-process vLLM engine streams: tokens reach the bar as they are generated
+                e.token_listener = self.progress.generated
+            return self.engine
         if isinstance(self.engine, Sequence):
             return [TokenCountingEngine(e, self.progress.generated) for e in self.engine]
         return TokenCountingEngine(self.engine, self.progress.generated)

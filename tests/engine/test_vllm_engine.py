@@ -136,6 +136,24 @@ def test_concurrent_requests_and_seeds(run, engine):
     assert len({tuple(o.token_ids) for o in outs[:4]}) > 1
 
 
+def test_a_token_listener_sees_tokens_as_they_come_and_changes_no_output(run, engine, taught_model_dir):
+    """The evaluation's bar counts a long request's tokens while it runs; the output is the same sample."""
+    ids = encode(taught_model_dir, next(iter(LESSONS)))
+    sp = SamplingParams(temperature=1.0, max_tokens=64, seed=3, stop=STOPS)
+    whole = run(engine.generate(ids, sp, "whole"))
+    chunks: list[int] = []
+    engine.token_listener = chunks.append
+    try:
+        streamed = run(engine.generate(ids, sp, "streamed"))
+        with_logprobs = run(engine.generate(ids, sp.with_(logprobs=2), "lp"))  # comes whole: not streamed
+    finally:
+        engine.token_listener = None
+    assert (streamed.token_ids, streamed.text, streamed.finish_reason) == \
+        (whole.token_ids, whole.text, whole.finish_reason)
+    assert sum(chunks) == len(whole.token_ids) and len(chunks) > 1  # several chunks, before the request ended
+    assert with_logprobs.token_ids == whole.token_ids and with_logprobs.logprobs
+
+
 @pytest.fixture
 def shm_dirs():
     """Weight directories in /dev/shm (as the trainer uses), removed whatever the test's outcome."""

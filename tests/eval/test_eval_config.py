@@ -199,3 +199,28 @@ def test_a_benchmark_with_samples_keeps_its_response_budget(data_dir, tmp_path):
         evaluate(_cfg(data_dir, tmp_path, "eval.benchmarks=[gaia]", "actor_rollout_ref.model.path=/nonexistent",
                       "eval.max_response_length_per_benchmark.gaia=4096"))
     assert json.loads((run_dir / "run.json").read_text())["response_budgets"] == {"bamboogle": 8192, "gaia": 4096}
+
+
+def test_a_hub_model_id_is_fetched_into_the_hub_cache_and_recorded_by_id(data_dir, tmp_path, monkeypatch):
+    """``actor_rollout_ref.model.path=owner/name`` as transformers and vLLM take it: the run records the ID and the
+    revision (not a cache path) and is named after the model."""
+    import huggingface_hub.constants as hub
+
+    commit = "c" * 40
+    snapshot = tmp_path / "hub" / "models--dongguanting--Qwen2.5-7B-ARPO" / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)  # the cache is the Hub here: no network in tests
+    run_dir = tmp_path / "out" / "Qwen2.5-7B-ARPO" / "seed0"
+    _write_done(run_dir, ["Who is person 0?"])
+    summary = evaluate(load_config("eval", [f"eval.data_dir={data_dir}", f"eval.output_dir={tmp_path / 'out'}",
+                                            "eval.benchmarks=[bamboogle]", "eval.max_samples=1", "eval.num_runs=2",
+                                            "actor_rollout_ref.model.path=dongguanting/Qwen2.5-7B-ARPO"]))
+    assert summary["model_path"] == f"dongguanting/Qwen2.5-7B-ARPO@{commit}" and summary["method"] == "Qwen2.5-7B-ARPO"
+    assert json.loads((run_dir / "run.json").read_text())["model_path"] == f"dongguanting/Qwen2.5-7B-ARPO@{commit}"
+    with pytest.raises(ConfigError, match=r"model.path=nobody/no-such-model: not fetched from the Hugging Face Hub"):
+        evaluate(load_config("eval", [f"eval.data_dir={data_dir}", f"eval.run_dir={tmp_path / 'x'}",
+                                      "eval.benchmarks=[bamboogle]", "actor_rollout_ref.model.path=nobody/no-such-model"]))
