@@ -95,6 +95,10 @@ class RunResult:
     #: benchmark (and ``bench@L<level>``) -> summary under the chosen metric profile (benchmarks: with
     #: ``acc_by_profile``, see :func:`~arpo.evaluation.metrics.summarise_profiles`)
     summaries: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: the settings its samples were made with (run.json, less method and seed): folders join only if equal
+    settings: dict[str, Any] = field(default_factory=dict)
+    #: benchmark -> the folder its samples are in, when several folders make one run (one per GPU)
+    sources: dict[str, Path] = field(default_factory=dict)
 
 
 def find_run_dirs(patterns: Sequence[str]) -> list[Path]:
@@ -119,7 +123,10 @@ def find_run_dirs(patterns: Sequence[str]) -> list[Path]:
 
 def load_run(run_dir: Path, profile: str = "arpo") -> RunResult:
     meta = json.loads((run_dir / "run.json").read_text())
-    result = RunResult(str(meta["method"]), int(meta["seed"]), run_dir)
+    from arpo.evaluation.evaluate import FINGERPRINT_KEYS
+
+    result = RunResult(str(meta["method"]), int(meta["seed"]), run_dir,
+                       settings={k: meta.get(k) for k in FINGERPRINT_KEYS if k not in ("method", "seed")})
     threshold = float(meta.get("pass_threshold", 1.0))
     for bench, records in load_run_samples(run_dir).items():
         if records:
@@ -135,15 +142,23 @@ def load_run(run_dir: Path, profile: str = "arpo") -> RunResult:
 
 
 def load_runs(run_dirs: Sequence[Path], profile: str = "arpo") -> list[RunResult]:
-    runs = [load_run(d, profile) for d in run_dirs]
-    seen: dict[tuple[str, int], Path] = {}
-    for r in runs:
-        key = (r.method, r.seed)
-        if key in seen:
-            raise ValueError(f"two runs for method {r.method!r} seed {r.seed}: {seen[key]} and {r.run_dir}; "
-                             f"give one (or tag them with different eval.method/eval.seed)")
-        seen[key] = r.run_dir
-    return runs
+    """One result per (method, seed). Folders of one method and seed with other benchmarks and the same settings
+    join into one (an evaluation split over GPUs, a folder each); overlapping ones are an error."""
+    joined: dict[tuple[str, int], RunResult] = {}
+    for d in run_dirs:
+        r = load_run(d, profile)
+        r.sources = dict.fromkeys(r.summaries, r.run_dir)
+        first = joined.setdefault((r.method, r.seed), r)
+        if first is r:
+            continue
+        shared = sorted(set(first.summaries) & set(r.summaries))
+        if shared or first.settings != r.settings:
+            why = f"both have {shared[0]}" if shared else "their settings differ (run.json)"
+            raise ValueError(f"two runs for method {r.method!r} seed {r.seed}: {first.run_dir} and {r.run_dir}, "
+                             f"{why}; give one (or tag them with different eval.method/eval.seed)")
+        first.summaries.update(r.summaries)
+        first.sources.update(r.sources)
+    return list(joined.values())
 
 
 def seed_value(summary: dict[str, Any], metric: str) -> tuple[float | None, list[float]]:
@@ -320,7 +335,7 @@ def value_rows(runs: list[RunResult], metric: str) -> list[dict[str, Any]]:
                 "python_per_question": s["tool_calls_python"]["mean"],
                 "truncated": s["truncated"]["count"],
                 "truncated_rate": "" if s["truncated"]["rate"] is None else s["truncated"]["rate"],
-                "samples_file": str(samples_path(r.run_dir, bench)),
+                "samples_file": str(samples_path(r.sources.get(bench, r.run_dir), bench)),
             })
     return rows
 

@@ -100,9 +100,29 @@ def test_pass_at_k_metric(runs, tmp_path):
     assert float(rows["math500"]["value"]) == pytest.approx(1.0)
 
 
+def test_folders_of_one_method_and_seed_split_by_benchmark_join_into_one_run(tmp_path):
+    """An evaluation split over GPUs (a folder each, other benchmarks) is one run in the tables."""
+    whole = write_run(tmp_path / "whole", "arpo", 0, {"bamboogle": [[1, 0, 1, 1]], "math500": [[1, 0]]})
+    write_run(tmp_path / "part0", "arpo", 0, {"bamboogle": [[1, 0, 1, 1]]})
+    write_run(tmp_path / "part1", "arpo", 0, {"math500": [[1, 0]]})
+    make_tables([str(whole)], tmp_path / "one")
+    make_tables([str(tmp_path / "part0"), str(tmp_path / "part1")], tmp_path / "split")
+    one, split = _csv(tmp_path / "one" / "values.csv"), _csv(tmp_path / "split" / "values.csv")
+    drop = lambda rows: [{k: v for k, v in r.items() if k != "samples_file"} for r in rows]  # noqa: E731
+    assert drop(split) == drop(one) and len(split) == 2
+    assert {r["benchmark"]: r["samples_file"].split("/")[-5] for r in split} == {"bamboogle": "part0",
+                                                                               "math500": "part1"}
+    # other settings do not join: their samples would mix
+    other = write_run(tmp_path / "part2", "arpo", 0, {"aime24": [[1]]})
+    meta = json.loads((other / "run.json").read_text())
+    (other / "run.json").write_text(json.dumps({**meta, "model_path": "another"}))
+    with pytest.raises(ValueError, match="their settings differ"):
+        make_tables([str(tmp_path / "part0"), str(other)], tmp_path / "t")
+
+
 def test_duplicate_method_seed_and_empty_input_are_errors(runs, tmp_path):
     write_run(tmp_path / "copy", "grpo", 0, {"bamboogle": [[1]]})
-    with pytest.raises(ValueError, match="two runs for method 'grpo' seed 0"):
+    with pytest.raises(ValueError, match="two runs for method 'grpo' seed 0: .* both have bamboogle"):
         make_tables([str(runs), str(tmp_path / "copy")], tmp_path / "t")
     with pytest.raises(SystemExit, match="matches nothing"):
         tables_main(["--runs", str(tmp_path / "nothing*"), "--out", str(tmp_path / "t")])
