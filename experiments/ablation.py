@@ -290,8 +290,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="HF checkpoint the runs start from (default: the preset's cold-start SFT model)")
     parser.add_argument("--data-dir", type=Path,
                         help="synthetic data folder (default: the preset's train/val/test parquet + corpus.jsonl)")
-    parser.add_argument("--out", type=Path, help="results folder (default experiments/results/<suite>, with "
-                                                  "another preset than tiny experiments/results/<preset>_<suite>)")
+    parser.add_argument("--out", type=Path, help="results folder (default <runs-dir>/<suite>/results, never the "
+                                                  "committed ones; give experiments/results/<name> to update those)")
     parser.add_argument("--runs-dir", type=Path,
                         help="where run folders with checkpoints go (not committed; default outputs/ablation/<preset>)")
     parser.add_argument("--dump-prompts", type=int, default=None,
@@ -321,8 +321,6 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"--variants: include the baseline {suite.baseline} (the table compares every variant with it)")
     if args.dump_prompts is None:
         args.dump_prompts = SMOKE_DUMP_PROMPTS if args.smoke else 16
-    default_out = args.suite if args.preset == "tiny" else f"{args.preset}_{args.suite}"
-    args.out = (args.out or REPO / "experiments" / "results" / default_out).resolve()
     try:
         preset = Preset.load(args.preset)
     except ConfigError as e:
@@ -332,6 +330,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     args.data_dir = args.data_dir or paths["data"]
     args.preset_overrides = overrides_for_stage("arpo_trainer", list(preset.overrides))
     args.runs_dir = args.runs_dir or REPO / "outputs" / "ablation" / args.preset
+    args.out = (args.out or args.runs_dir / args.suite / "results").resolve()
     for key in ("model_dir", "data_dir", "runs_dir"):
         setattr(args, key, getattr(args, key).resolve())
     return args, extra

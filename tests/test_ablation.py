@@ -56,7 +56,8 @@ def test_seeds_and_overrides_are_separated_by_double_dash():
     args, extra = ablation.parse_args(["--suite", "advantage", "--seeds", "0", "5", "--",
                                        "trainer.total_training_steps=3", "actor_rollout_ref.rollout.n=8"])
     assert args.seeds == [0, 5] and extra == ["trainer.total_training_steps=3", "actor_rollout_ref.rollout.n=8"]
-    assert args.out == REPO_ROOT / "experiments" / "results" / "advantage" and args.dump_prompts == 16
+    # the default results folder is beside the runs, never a committed one
+    assert args.out == REPO_ROOT / "outputs/ablation/tiny/advantage/results" and args.dump_prompts == 16
     smoke, _ = ablation.parse_args(["--suite", "advantage", "--seeds", "2", "3", "--smoke"])
     assert smoke.seeds == [2] and smoke.dump_prompts == ablation.SMOKE_DUMP_PROMPTS
     with pytest.raises(SystemExit):
@@ -142,10 +143,11 @@ def test_a_preset_sizes_every_run_and_names_its_model_and_data(tmp_path):
     assert load_config("arpo_trainer", list(grpo.overrides)).actor_rollout_ref.rollout.mode == "single"
     # each preset's runs and results in their own folders: a tiny suite never picks up SmolLM2 runs
     assert args.runs_dir == REPO_ROOT / "outputs/ablation/smollm2"
-    assert args.out == REPO_ROOT / "experiments/results/smollm2_advantage"
+    assert args.out == REPO_ROOT / "outputs/ablation/smollm2/advantage/results"
     tiny, _ = ablation.parse_args(["--suite", "advantage"])
     assert tiny.runs_dir == REPO_ROOT / "outputs/ablation/tiny"
-    assert tiny.out == REPO_ROOT / "experiments/results/advantage"
+    assert tiny.out == REPO_ROOT / "outputs/ablation/tiny/advantage/results"
+    assert not any(a.out.is_relative_to(REPO_ROOT / "experiments") for a in (args, tiny))
     with pytest.raises(SystemExit):
         ablation.parse_args(["--suite", "advantage", "--preset", "nope"])
 
