@@ -117,11 +117,8 @@ def missing_file_hint(path: str | Path) -> str:
 
 
 def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 # -- fetching -----------------------------------------------------------------------------------------------------

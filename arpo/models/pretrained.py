@@ -77,11 +77,8 @@ def check_hf_checkpoint(path: Path) -> dict:
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def convert_gguf(gguf: Path, out_dir: Path, dtype: str = "float32") -> Path:
