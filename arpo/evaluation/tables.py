@@ -401,10 +401,21 @@ def load_reference(path: str | Path) -> dict[str, dict[str, dict[str, float]]]:
 
 
 def _reference_cells(spec: TableSpec, rows: dict[str, dict[str, float]], scale: float) -> dict[str, dict[str, Cell]]:
-    """Reported rows as cells (one value each, stored unscaled like ours)."""
+    """Reported rows as cells (one value each, stored unscaled like ours), with the group and overall averages
+    computed from them as ours are: only over a row that has every benchmark of the group (the paper's own
+    averages may span other tasks, so they are not taken from it)."""
     key_of = {h: k for k, h in columns(spec)}
-    return {label: {key_of[h]: Cell([v / _scale_for(key_of[h], scale)]) for h, v in cells.items()}
-            for label, cells in rows.items()}
+    table = {}
+    for label, cells in rows.items():
+        row = {key_of[h]: Cell([v / _scale_for(key_of[h], scale)]) for h, v in cells.items()}
+        values = {b: row[b].values[0] for b in spec.benchmarks if b in row}
+        for group, benches in spec.groups:
+            if _has_group_avg(spec, benches) and all(b in values for b in benches):
+                row[_avg_col(group)] = Cell([sum(values[b] for b in benches) / len(benches)])
+        if spec.overall and len(values) == len(spec.benchmarks):
+            row[spec.overall] = Cell([sum(values.values()) / len(values)])
+        table[label] = row
+    return table
 
 
 def make_tables(run_patterns: Sequence[str], out_dir: str | Path, metric: str = "acc", digits: int = 1,
@@ -426,7 +437,8 @@ def make_tables(run_patterns: Sequence[str], out_dir: str | Path, metric: str = 
     note = (f"{metric} in percent; mean ± std over seeds (ddof=1, one seed: mean only) of the mean over runs; "
             f"Tools/q: executed tool calls per question; {MISSING}: no result. Runs: {len(runs)}, seeds {seeds}. "
             f"{PROFILE_NOTES[profile][0].upper()}{PROFILE_NOTES[profile][1:]}."
-            + (f" Rows after ours: reported numbers ({Path(reference).name}), one value each." if reported else ""))
+            + (f" Rows after ours: reported numbers ({Path(reference).name}), one value each; their averages "
+                  f"computed from those cells as ours are." if reported else ""))
     written: dict[str, Path] = {}
     for spec in [TABLE1, TABLE2, other_spec(runs)]:
         if spec is None:
