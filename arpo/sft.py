@@ -365,9 +365,10 @@ def worker_config(s: Mapping[str, Any], model_path: Path | str, total_steps: int
     ``sft`` section ``s``: the model, ``sft.device`` / ``sft.dtype`` / ``sft.num_ranks`` under the trainer's keys,
     the planned steps; ``chat_template`` (``actor_rollout_ref.model.custom_chat_template``) goes with the export."""
     ranks, threads = int(s["num_ranks"]), max(1, int(s["num_threads"]))
-    # one forward per batch, as the single-process SFT ran: no gradient checkpointing, no tree packing
+    # one forward per micro-batch, as the single-process SFT ran: no tree packing
     model = {"path": str(model_path), "dtype": s["dtype"], "custom_chat_template": chat_template,
-             "enable_gradient_checkpointing": False, "tree_packing": False, "share_prefix": False}
+             "enable_gradient_checkpointing": bool(s.get("enable_gradient_checkpointing", False)),
+             "tree_packing": False, "share_prefix": False}
     return {"actor_rollout_ref": {"model": model,
                                   "actor": {"checkpoint": {"save_contents": ["model", "optimizer", "extra"]}}},
             "trainer": {"device": s["device"], "nnodes": 1, "n_gpus_per_node": ranks, "cpus_per_worker": threads,
@@ -427,6 +428,10 @@ def run_sft(cfg) -> Path:
     model_path = require_path(cfg.actor_rollout_ref.model.path, "actor_rollout_ref.model.path",
                               "build the tiny model with `python -m arpo.models.tiny` or point it at an HF checkpoint",
                               kind="model directory")
+    from arpo.plan.stages import check_stage
+    from arpo.trainer.device import resolve_device_type
+
+    check_stage("sft", cfg, resolve_device_type(s.device))  # a stage that cannot fit stops before any model loads
     train_file = require_path(s.train_file, "sft.train_file",
                               "generate it with `python -m arpo.data.synthetic`, or give a trajectory file "
                               "(messages / ShareGPT JSONL, JSON or parquet: docs/extending.md)")

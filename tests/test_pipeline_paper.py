@@ -91,7 +91,7 @@ def test_a_cold_start_made_elsewhere_skips_the_base_model_and_sft(tmp_path, tiny
 
 #: the paper preset cut to seconds a stage on 2 CPU cores: 2 RL prompts x 4 trajectories, 1 step, 2 validation
 #: prompts, 2 questions of 2 benchmarks; one CPU rank instead of the preset's 8 GPUs
-SMOKE = ["sft.max_steps=2", "sft.batch_size=2", "sft.max_length=1024", "sft.lr=5e-5", "sft.num_threads=2",
+SMOKE = ["sft.max_steps=2", "sft.batch_size=2", "sft.num_ranks=1", "sft.dtype=float32", "sft.max_length=1024", "sft.lr=5e-5", "sft.num_threads=2",
          "data.train_batch_size=2", "data.max_prompt_length=512", "data.max_response_length=64",
          "data.val_max_samples=2", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.arpo.initial_rollouts=2",
          "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",

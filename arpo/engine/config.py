@@ -17,6 +17,11 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 DTYPES = ("auto", "fast", "float32", "bfloat16", "float16")
 
 
+#: the per-step token budget a GPU engine gets when ``max_num_batched_tokens`` is null; the memory planner sizes
+#: vLLM's profile activations with the same number (arpo/plan/settings.py)
+DEFAULT_BATCHED_TOKENS = 8192
+
+
 @dataclass
 class EngineConfig:
     """Everything a generation backend needs to start (picklable, so it can travel to a Ray actor)."""
@@ -36,6 +41,8 @@ class EngineConfig:
     block_size: int | None = None
     seed: int = 0
     max_num_seqs: int = 256
+    #: vLLM's token budget per step; None: :data:`DEFAULT_BATCHED_TOKENS` on a GPU (vLLM 0.32's engine-context
+    #: default of 2,048 would throttle ARPO's branch prefills), on a CPU the longest sequence (no chunked prefill)
     max_num_batched_tokens: int | None = None
     tensor_model_parallel_size: int = 1
     #: allow sleep()/wake_up() to free GPU memory between rollouts (vLLM sleep mode; CUDA only). None: on when the

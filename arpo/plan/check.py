@@ -141,9 +141,14 @@ def format_plan(plan: MemoryPlan) -> str:
     m, s = plan.shapes, plan.settings
     gpus = (f"GPUs of {plan.gpu_bytes / GIB:.1f} GiB" if plan.gpu_bytes else "CPU ranks")
     layout = "hybrid engine (colocated)" if s.hybrid else "split (engines on GPUs of their own)"
-    lines = [f"{m.architecture}, {m.numel:,} parameters; {s.nnodes} node(s) x {s.gpus_per_node} {gpus}; {layout}; "
-             f"{s.replicas} engine replica(s) x tensor parallel {s.tensor_parallel}; roles: actor"
-             + " + reference" * s.reference + " + critic" * s.critic]
+    return "\n".join([f"{m.architecture}, {m.numel:,} parameters; {s.nnodes} node(s) x {s.gpus_per_node} {gpus}; "
+                      f"{layout}; {s.replicas} engine replica(s) x tensor parallel {s.tensor_parallel}; roles: actor"
+                      + " + reference" * s.reference + " + critic" * s.critic, format_tables(plan)])
+
+
+def format_tables(plan: MemoryPlan) -> str:
+    """Per GPU by phase, the engine's budget, per node on the host, and the verdict (GiB)."""
+    lines: list[str] = []
     for t in plan.gpu_tables:
         width = max(len(name) for name, _ in t.rows) + 2
         lines += ["", f"{t.title} (GiB)".ljust(width) + "".join(p.rjust(15) for p in t.phases)]
@@ -163,7 +168,8 @@ def format_plan(plan: MemoryPlan) -> str:
     lines += ["", "host RAM, busiest node (GiB)"]
     lines += [name.ljust(width) + f"{v / GIB:10.2f}" for name, v in plan.host]
     lines.append("total".ljust(width) + f"{plan.host_bytes / GIB:10.2f}")
-    lines.append(f"shared memory (/dev/shm) needed: {plan.shm_bytes / GIB:.2f} GiB (Ray's object store)")
+    if plan.shm_bytes:
+        lines.append(f"shared memory (/dev/shm) needed: {plan.shm_bytes / GIB:.2f} GiB (Ray's object store)")
     lines += [f"warning: {w}" for w in plan.warnings]
     lines += ["", "fits" if plan.fits else "DOES NOT FIT: " + "; ".join(plan.problems)]
     return "\n".join(lines)

@@ -7,12 +7,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+# the engine's token budget per step when max_num_batched_tokens is null: the planner sizes what a GPU engine gets
+from arpo.engine.config import DEFAULT_BATCHED_TOKENS
 from arpo.plan.lora_buffers import EngineLoRA, engine_lora
 
 #: ``actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes`` when the config has no such key
 DEFAULT_BUCKET_MB = 512
-#: vLLM's token budget per step when ``max_num_batched_tokens`` is unset (its default for H100-class GPUs)
-DEFAULT_BATCHED_TOKENS = 8192
 _DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2}
 
 
