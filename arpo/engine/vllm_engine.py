@@ -38,8 +38,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from arpo.engine.base import GenerationOutput, SamplingParams
-from arpo.engine.config import (EngineConfig, default_device, executor_backend, resolve_dtype,
-                               resolve_enforce_eager)
+from arpo.engine.config import (DEFAULT_BATCHED_TOKENS, EngineConfig, default_device, executor_backend,
+                               resolve_dtype, resolve_enforce_eager)
 from arpo.engine.lora_serving import adapter_request, lora_engine_args
 from arpo.engine.vllm_cpu_patches import use_eager_logprob_rank
 from arpo.engine.vllm_env import configure_vllm_env
@@ -341,6 +341,8 @@ def vllm_engine_args(cfg: EngineConfig, device: str) -> dict[str, Any]:
     args["worker_extension_cls"] = "arpo.engine.vllm_worker_ext.ArpoWorkerExtension"
     if cfg.max_num_batched_tokens is not None:
         args["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+    elif device == "cuda":  # vLLM's own default here (2,048) would throttle the branch prefills
+        args["max_num_batched_tokens"] = DEFAULT_BATCHED_TOKENS
     if cfg.block_size is not None:
         args["block_size"] = cfg.block_size
     if cfg.lora_rank:
