@@ -75,6 +75,7 @@ class RayARPOTrainer:
         self.kl_ctrl = core_algos.get_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.filter_groups = filter_groups_config(cfg)
         self.free_cache_engine = bool(cfg.actor_rollout_ref.rollout.get("free_cache_engine", False))
+        self.sleep_level = int(cfg.actor_rollout_ref.rollout.get("sleep_level") or 1)
         #: where the reference log-probs come from (actor_config.reference_policy); "actor": LoRA's frozen base
         ref = reference_policy(cfg)
         self.reference = ref if ref == "actor" or ref_wg is not None else None
@@ -214,6 +215,9 @@ class RayARPOTrainer:
                     metrics.update(self.actor_wg.update_policy(batch))
                 with timer.phase("update_weights"):
                     metrics.update(self.push_weights())
+            elif self.free_cache_engine:  # no push to wake them: the next rollout would wait on sleeping engines
+                with timer.phase("update_weights"):
+                    self.wake_unchanged()
         metrics.update(compute_data_metrics(batch))
         metrics.update(timer.metrics(int(batch.tensors["attention_mask"].sum())))
         return metrics
@@ -224,6 +228,15 @@ class RayARPOTrainer:
         if self.reference == "actor":
             return self.actor_wg.compute_log_prob(batch, calc_entropy=False, base_model=True)["log_probs"]
         return self.ref_wg.compute_log_prob(batch)["log_probs"]
+
+    def wake_unchanged(self) -> None:
+        """Wake the engines after a step that left the actor as it was (critic warm-up), so that every sleep has
+        its wake-up before the next rollout. A level-1 sleep kept the weights in host memory and the wake-up brings
+        them back; a level-2 sleep discarded them, so they are pushed again (the actor's, unchanged)."""
+        if self.sleep_level == 2:
+            self.push_weights()
+        else:
+            _run_all(e.wake_up() for e in self.engines)
 
     def push_weights(self) -> dict[str, float]:
         """Actor weights → every replica, streamed in buckets of
