@@ -74,6 +74,13 @@ def validate_config(cfg: DictConfig) -> None:
         OverlongBuffer.from_config(cfg.reward.get("overlong_buffer"), cfg.data.max_response_length)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if r.name == "vllm" and not r.ray_actor:
+        # vLLM's AsyncLLM answers only on the event loop it first served (the rollout's); the weight push and its
+        # probe run on another, so they would wait for ever (measured: begin_weight_update never returned). An
+        # engine actor has one loop of its own for every call. Evaluation may keep an in-process engine.
+        raise ConfigError("actor_rollout_ref.rollout.ray_actor=false with actor_rollout_ref.rollout.name=vllm: the "
+                          "trainer's weight push cannot reach a vLLM engine bound to the rollout's event loop in "
+                          "this process (it would hang); set actor_rollout_ref.rollout.ray_actor=true")
     # one value per setting: the tree rollout reads verl's keys through interpolations (configs/arpo_trainer.yaml)
     s = arpo_cfg.sampling
     for mine, theirs, verl in ((arpo_cfg.n, r.n, "n"), (s.temperature, r.temperature, "temperature"),

@@ -90,6 +90,9 @@ def start_up_config_error(model: Path, data: Path, *overrides: str) -> str:
     (["actor_rollout_ref.rollout.num_replicas=0"], "actor_rollout_ref.rollout.num_replicas=0: must be >= 1"),
     (["actor_rollout_ref.rollout.num_replicas=2", "actor_rollout_ref.rollout.ray_actor=false"],
      "num_replicas=2 needs actor_rollout_ref.rollout.ray_actor=true"),
+    (["actor_rollout_ref.rollout.ray_actor=false"], "actor_rollout_ref.rollout.ray_actor=false with actor_rollout_ref."
+     "rollout.name=vllm: the trainer's weight push cannot reach a vLLM engine bound to the rollout's event loop in "
+     "this process (it would hang); set actor_rollout_ref.rollout.ray_actor=true"),
     (["actor_rollout_ref.rollout.num_replicas=5"], "fewer than the 7 the actors ask for"),
     (["trainer.nnodes=2", "trainer.n_gpus_per_node=1"], "trainer.nnodes=2 needs a Ray cluster of that many nodes"),
     (["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.rollout.name=hf",
