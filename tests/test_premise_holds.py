@@ -148,16 +148,20 @@ def test_collect_pools_paired_answers_and_takes_arpos_fork_rate(tmp_path):
 @pytest.mark.slow
 def test_smoke_suite_runs_every_method_into_the_tables_and_skips_finished_cells(smollm2_truncated_dir, tmp_path):
     out, runs = tmp_path / "results", tmp_path / "runs"
+    # GRPO's cell is the ablation smoke's code path (tests/test_ablation.py): the two branching methods only here
     cmd = [sys.executable, str(REPO_ROOT / "experiments" / "ablation.py"), "--suite", "premise_holds", "--smoke",
-           "--levels", "2", "--jobs", "2", "--model-dir", str(smollm2_truncated_dir), "--out", str(out), "--runs-dir", str(runs)]
+           "--levels", "2", "--methods", "arpo", "random", "--jobs", "2", "--model-dir", str(smollm2_truncated_dir),
+           "--out", str(out), "--runs-dir", str(runs)]
     env = {**os.environ, "TQDM_DISABLE": "1"}
     r = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1500, env=env)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     cells = list(csv.DictReader((out / "cells.csv").open()))
-    assert sorted(c["method"] for c in cells) == ["arpo", "grpo", "random"]
+    assert sorted(c["method"] for c in cells) == ["arpo", "random"]
     assert all(c["level"] == "2" and c["seed"] == "0" and c["n"] == "8" for c in cells)
     by = {c["method"]: c for c in cells}
-    assert float(by["grpo"]["forks"]) == 0 and float(by["grpo"]["tool_calls"]) >= 0
+    assert float(by["arpo"]["tool_calls"]) >= 0 and float(by["random"]["tool_calls"]) >= 0
+    pooled = {r["comparison"] for r in csv.DictReader((out / "pooled.csv").open())}
+    assert pooled == {"arpo - random"}
     # the control ran at ARPO's measured rate
     record = json.loads((premise_holds.cell_dest(out, 2, "random", 0) / "ablation_run.json").read_text())
     rate = premise_holds.fork_rate(out, 2)
@@ -173,7 +177,7 @@ def test_smoke_suite_runs_every_method_into_the_tables_and_skips_finished_cells(
     shutil.rmtree(runs / "level2")
     again = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert again.returncode == 0 and not (runs / "level2").exists()
-    assert len(list(csv.DictReader((out / "cells.csv").open()))) == 3
+    assert len(list(csv.DictReader((out / "cells.csv").open()))) == 2
 
 
 def test_fork_placement_counts_forks_by_the_result_they_follow(tmp_path):
