@@ -304,11 +304,46 @@ def _build_rollout_config(cfg: DictConfig):
 
 
 def _shutdown(obj: Any) -> None:
-    for name in ("shutdown", "close"):
+    # kill first: a Ray replica's client turns any other name into an un-awaited remote call, and kill also
+    # stops the actor process (and vLLM's engine core under it)
+    for name in ("kill", "shutdown", "close"):
         fn = getattr(obj, name, None)
         if callable(fn):
             fn()
             return
+
+
+def eval_replicas(cfg: DictConfig) -> int:
+    """How many engine replicas evaluate: ``actor_rollout_ref.rollout.num_replicas``, or when null (auto) one per
+    tensor-parallel group of this machine's visible GPUs, as colocated training has (every GPU generates), and
+    1 without GPUs (replicas would share the same cores)."""
+    from arpo.placement import auto_num_replicas
+
+    r = cfg.actor_rollout_ref.rollout
+    if r.num_replicas is not None:
+        if int(r.num_replicas) < 1:
+            raise ConfigError(f"actor_rollout_ref.rollout.num_replicas={r.num_replicas}: must be >= 1, or null "
+                              f"(one per tensor-parallel group of the visible GPUs)")
+        return int(r.num_replicas)
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return auto_num_replicas(True, gpus, int(r.tensor_model_parallel_size), gpus > 0)
+
+
+def start_engines(cfg: DictConfig) -> list[Any]:
+    """The evaluation's engine replicas (:func:`eval_replicas`): one in this process, or with several one Ray actor
+    each (Ray gives each its own GPUs)."""
+    from arpo.engine.factory import create_engines
+
+    replicas = eval_replicas(cfg)
+    r = cfg.actor_rollout_ref.rollout
+    if replicas > 1 and not r.ray_actor:
+        with open_dict(cfg):  # each replica is a Ray actor: one process cannot hold engines on several GPUs
+            r.ray_actor = True
+    logger.info("evaluating on %d engine replica(s) (%s)", replicas,
+                "Ray actors" if r.ray_actor else "in this process")
+    return create_engines(cfg, replicas=replicas)
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
@@ -356,7 +391,6 @@ def _generate(cfg: DictConfig, rollout_config: Any, grader: Any, run_dir: Path, 
               pending: list[tuple[EvalItem, int]], budgets: dict[str, int]) -> None:
     """Start the tokenizer, tools and engine, run the pending samples, and shut everything down."""
     from arpo.chat_templates import tokenizer_for
-    from arpo.engine.factory import create_engine
     from arpo.evaluation.records import SampleWriter
     from arpo.evaluation.runner import EvalRunner, SampleSpec
     from arpo.rollout.tool_executor import ToolExecutor
@@ -377,21 +411,23 @@ def _generate(cfg: DictConfig, rollout_config: Any, grader: Any, run_dir: Path, 
                             retries=rollout_config.tools.retries, retry_on_empty=rollout_config.tools.retry_on_empty,
                             max_result_chars=rollout_config.tools.max_result_chars)
     try:
-        engine = create_engine(cfg)
+        engines = start_engines(cfg)
     except ValueError as err:
         executor.close()
         tools.close()
         raise ConfigError(str(err)) from None
     try:
         with SampleWriter(run_dir, fsync=bool(cfg.eval.fsync)) as writer:
-            runner = EvalRunner(engine, tokenizer, executor, rollout_config, limits,
+            runner = EvalRunner(engines, tokenizer, executor, rollout_config, limits,
                                 ("search",) if cfg.eval.refuse_repeated_search else (), grader, writer,
                                 method=meta["method"], seed=meta["seed"], concurrency=int(cfg.eval.concurrency),
                                 show_progress=bool(cfg.eval.show_progress), response_budgets=budgets)
             written = asyncio.run(runner.run(specs))
-            logger.info("wrote %d samples (session %s)", written, runner.session)
+            logger.info("wrote %d samples (session %s); samples per engine replica: %s", written, runner.session,
+                        runner.replica_samples)
     finally:
-        _shutdown(engine)
+        for engine in engines:
+            _shutdown(engine)
         executor.close()
         tools.close()
 

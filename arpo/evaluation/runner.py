@@ -7,6 +7,12 @@ appended to its benchmark's JSONL the moment it ends. ``concurrency`` samples ar
 the engine batches their requests (and the prefix cache shares the prompt of a question's runs, which
 are queued next to each other).
 
+With several engine replicas (one per GPU, or per tensor-parallel group, as in training) each sample runs whole on
+one of them: the replica with the fewest samples in flight when it starts, ties in turn. A sample's turns stay on
+one replica, whose prefix cache holds its history. Its requests carry their own seeds (from the run seed, benchmark,
+question and run), so the replica does not change what it samples, beyond the float rounding that the requests
+batched beside it give on one engine too.
+
 Each benchmark has its own response budget (``response_budgets``, from ``eval.max_response_length_per_benchmark``;
 the rollout config's ``sampling.max_response_length`` for the others). A sample that reaches it is recorded with
 ``truncated: true`` (``finish_reason`` ``length``). The bar (:mod:`arpo.evaluation.progress`) counts finished
@@ -57,6 +63,13 @@ def accepts_kwarg(fn: Callable[..., Any], name: str) -> bool:
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
+def _streams_tokens(engine: Any) -> bool:
+    """Whether ``engine`` reports tokens as it generates them (an in-process vLLM engine's ``token_listener``). Only
+    a real attribute counts: a Ray replica's client answers every name (as a remote call), and a listener set on it
+    would never be called."""
+    return "token_listener" in getattr(engine, "__dict__", {}) or hasattr(type(engine), "token_listener")
+
+
 class Grader:
     """Scores a response with the run's compute_score (the reward registry or a custom function).
 
@@ -97,13 +110,22 @@ class Grader:
 
 
 class EvalRunner:
-    """Runs samples through the rollout, grades them and appends each record as it finishes."""
+    """Runs samples through the rollout, grades them and appends each record as it finishes. ``engine``: one
+    engine, or a Sequence of replicas the samples are spread over (see the module docstring)."""
 
     def __init__(self, engine: Any, tokenizer: Any, executor: ToolExecutor, rollout_config: ARPORolloutConfig,
                  tool_limits: dict[str, int], refuse_repeated: tuple[str, ...], grader: Grader,
                  writer: SampleWriter, method: str, seed: int, concurrency: int = 64, show_progress: bool = True,
                  response_budgets: Mapping[str, int] | None = None):
         self.engine = engine
+        if not self.engines:
+            raise ValueError("EvalRunner needs at least one engine")
+        #: samples each replica has run, and those it runs now (what picks the next sample's replica)
+        self.replica_samples = [0] * len(self.engines)
+        self._replica_load = [0] * len(self.engines)
+        self._next_replica = 0
+        #: the replicas as this run's samples see them (:meth:`_counted_engines`), set while :meth:`run` runs
+        self._run_engines: list[Any] | None = None
         self.tokenizer = tokenizer
         self.executor = executor
         self.rollout_config = rollout_config.validate()
@@ -134,28 +156,50 @@ class EvalRunner:
             self._configs[budget] = self.rollout_config.updated({"sampling.max_response_length": budget})
         return self._configs[budget]
 
-    def _counted_engine(self) -> Any:
-        """The engine as this run's samples see it: every request's tokens reach the bar."""
+    @property
+    def engines(self) -> list[Any]:
+        """The replicas the samples are spread over: ``engine``, or each engine of the Sequence given."""
+        return list(self.engine) if isinstance(self.engine, Sequence) else [self.engine]
+
+    def _counted_engines(self) -> list[Any]:
+        """The replicas as this run's samples see them: every request's tokens reach the bar."""
+        if len(self.replica_samples) != len(self.engines):  # ``engine`` was replaced since the last run
+            self.replica_samples, self._replica_load = [0] * len(self.engines), [0] * len(self.engines)
+            self._next_replica = 0
         if self.progress is None:
-            return self.engine
-        engines = list(self.engine) if isinstance(self.engine, Sequence) else [self.engine]
-        if all(hasattr(e, "token_listener") for e in engines):
-            for e in engines:  # an in-process vLLM engine streams: tokens reach the bar as they are generated
+            return list(self.engines)
+        if all(_streams_tokens(e) for e in self.engines):
+            for e in self.engines:  # an in-process vLLM engine streams: tokens reach the bar as they are generated
                 e.token_listener = self.progress.generated
-            return self.engine
-        if isinstance(self.engine, Sequence):
-            return [TokenCountingEngine(e, self.progress.generated) for e in self.engine]
-        return TokenCountingEngine(self.engine, self.progress.generated)
+            return list(self.engines)
+        return [TokenCountingEngine(e, self.progress.generated) for e in self.engines]
+
+    def _pick_replica(self) -> int:
+        """The replica with the fewest samples in flight; ties go in turn from the one after the last pick, so
+        samples that start one at a time (``concurrency`` 1, or a resumed run's few) still alternate."""
+        n = len(self.engines)
+        idx = min(((self._next_replica + k) % n for k in range(n)), key=self._replica_load.__getitem__)
+        self._next_replica = (idx + 1) % n
+        return idx
 
     async def run_sample(self, spec: SampleSpec) -> dict[str, Any]:
         item, run = spec.item, spec.run
         seed = self.sample_seed(item, run)
         budget = self.response_budget(item.benchmark)
         limits = TrajectoryToolLimits(self.executor, self.tool_limits, self.refuse_repeated)
-        rollout = ARPORollout(self._counted_engine(), self.tokenizer, self._config_for(budget), executor=limits)
+        replica = self._pick_replica()
+        engine = (self._run_engines or self.engines)[replica]
+        # one engine per rollout: a rollout given several would route by its own load count, which starts
+        # from zero for every sample and so sends every sample to the first replica
+        rollout = ARPORollout(engine, self.tokenizer, self._config_for(budget), executor=limits)
+        self._replica_load[replica] += 1
         start = time.perf_counter()
-        batch = await rollout.agenerate([spec.prompt_ids], seed=seed)
+        try:
+            batch = await rollout.agenerate([spec.prompt_ids], seed=seed)
+        finally:
+            self._replica_load[replica] -= 1
         elapsed = time.perf_counter() - start
+        self.replica_samples[replica] += 1
         p_len = batch.tensors["prompts"].shape[1]
         valid = int(batch.tensors["attention_mask"][0, p_len:].sum())
         response_ids = batch.tensors["responses"][0, :valid].tolist()
@@ -199,6 +243,7 @@ class EvalRunner:
         for spec in specs:
             queue.put_nowait(spec)
         progress = self.progress = EvalProgress(len(specs), enabled=self.show_progress)
+        self._run_engines = self._counted_engines()
         written = 0
 
         async def worker() -> None:
@@ -227,5 +272,5 @@ class EvalRunner:
             heartbeat.cancel()
             await asyncio.gather(heartbeat, return_exceptions=True)
             progress.close()
-            self.progress = None
+            self.progress = self._run_engines = None
         return written
