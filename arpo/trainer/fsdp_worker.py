@@ -495,5 +495,9 @@ class ActorWorker:
         return out
 
     def shutdown(self) -> None:
+        """Leave the process group, free model, optimizer and buffers (CUDA cache too): a rank in the driver's
+        process (LocalWorkerGroup: the cold-start SFT) would keep them beside the engine and actor started next."""
+        self.model = self.optimizer = self.lr_scheduler = self._sync = self._pinned = None
         if dist.is_initialized():
             dist.destroy_process_group()
+        release_memory(full=True)  # a full collection: FSDP2's hooks hold the modules in reference cycles
