@@ -171,6 +171,11 @@ class ActorWorker:
         return self.role != "ref"
 
     @property
+    def param_dtype(self) -> torch.dtype:
+        """fp32 master weights to train; the frozen reference in the compute dtype, as verl keeps it (forwards only)."""
+        return torch.float32 if self.trainable else self.settings.compute_dtype
+
+    @property
     def uses_lora(self) -> bool:
         """The policy trains LoRA adapters (the reference and the critic stay full models)."""
         return self.role == "actor" and int(self.cfg.model.lora_rank) > 0
@@ -186,13 +191,13 @@ class ActorWorker:
         return AutoConfig.from_pretrained(self.model_path())
 
     def load_model(self) -> torch.nn.Module:
-        """The checkpoint's model on CPU in fp32 master weights (rank 0 only: it is broadcast from there); mixed
-        precision casts them to bf16 for compute only (GPU: FSDP2 casts the parameters; CPU: autocast around
-        each forward, see device.py)."""
+        """The checkpoint's model on CPU in :attr:`param_dtype` (rank 0 only: it is broadcast from there); mixed
+        precision casts fp32 master weights to bf16 for compute only (GPU: FSDP2 casts the parameters; CPU:
+        autocast around each forward, see device.py)."""
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(
-            self.model_path(), config=self.model_config(), dtype=torch.float32,
+            self.model_path(), config=self.model_config(), dtype=self.param_dtype,
             attn_implementation=self.cfg.model.attn_implementation)
 
     def empty_model(self) -> torch.nn.Module:
@@ -201,7 +206,7 @@ class ActorWorker:
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(self.model_config(), dtype=torch.float32,
+            model = AutoModelForCausalLM.from_config(self.model_config(), dtype=self.param_dtype,
                                                      attn_implementation=self.cfg.model.attn_implementation)
         return model.eval()
 

@@ -85,8 +85,10 @@ def _head_chunk(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, tem
         # bf16 logits are rounded to 8 bits of mantissa: 0.125 apart at 16-32, so log-probs would be off
         # by up to ~0.06. The head's forward alone in fp32 keeps them to the decoder's own smaller error.
         low = torch.get_autocast_dtype(device_type)
+        # a model kept in bf16 (the frozen reference) has its head upcast here; fp32 ones pass as they are
+        weight, bias = (None if t is None else t.float() for t in (head.weight, head.bias))
         with torch.autocast(device_type, enabled=False):
-            logits = _PreciseLinear.apply(hidden.float(), head.weight, head.bias, low)
+            logits = _PreciseLinear.apply(hidden.float(), weight, bias, low)
     else:
         logits = head(hidden).float()
     if temperature != 1.0:
