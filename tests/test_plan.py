@@ -228,11 +228,11 @@ def test_lora_plans_no_reference_copy_and_adapter_only_gradients_and_adamw():
                                                                         + m.kv_hidden)
     shard, adapters = m.shard_numel(8), math.ceil(m.lora_numel(64, "all-linear") / 8)
     i, j = full.gpu_tables[0].phases.index("actor update"), lora.gpu_tables[0].phases.index("actor update")
-    # gone: AdamW m, v and the gradient of the base (12 B/param), the reference's weights (4 B/param) and its
+    # gone: AdamW m, v and the gradient of the base (12 B/param), the reference's weights (b B/param) and its
     # process's CUDA context, and FSDP2's unsharded gradients of the root and a layer (the frozen base has none;
     # one layer's adapters instead); added: the adapters' weights, AdamW and gradient (16 B/param)
     b = full.settings.compute_bytes
     unsharded = m.root_numel * b + m.layer_numel * (b + 4) - m.lora_numel(64, "all-linear") / m.layers * (b + 4)
-    saved = 16 * shard + CUDA_CONTEXT_BYTES - 16 * adapters + unsharded
+    saved = (12 + b) * shard + CUDA_CONTEXT_BYTES - 16 * adapters + unsharded
     assert full.gpu_tables[0].totals()[i] - lora.gpu_tables[0].totals()[j] == pytest.approx(saved)
     assert not full.fits and lora.fits  # the run that needed use_kl_loss=false fits with LoRA

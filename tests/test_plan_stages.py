@@ -88,3 +88,32 @@ def test_the_sft_ranks_checkpoint_activations_when_asked():
     assert worker_config(s, "m", 10)["actor_rollout_ref"]["model"]["enable_gradient_checkpointing"] is True
     assert worker_config(load_config("sft", []).sft, "m", 10)["actor_rollout_ref"]["model"][
         "enable_gradient_checkpointing"] is False
+
+
+def test_the_evaluation_stops_before_any_engine_starts_when_it_cannot_fit(monkeypatch, tmp_path):
+    from arpo.evaluation import evaluate as ev
+
+    class H100:
+        total_memory = 80 * GIB
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: H100)
+    monkeypatch.setattr(ev, "start_engines", lambda cfg: pytest.fail("an engine started"))
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "test.jsonl").write_text('{"question": "Two plus two?", "answer": "4"}\n')
+    cfg = load_config("eval", [f"actor_rollout_ref.model.path={QWEN7B}", f"eval.data_dir={tmp_path}",
+                               "eval.benchmarks=[gsm8k]", f"eval.run_dir={tmp_path / 'run'}",
+                               "actor_rollout_ref.rollout.gpu_memory_utilization=0.2"])
+    with pytest.raises(ConfigError, match=r"^the eval stage does not fit \(vLLM's KV cache"):
+        ev.evaluate(cfg)
+
+
+def test_the_reference_is_planned_in_the_compute_dtype():
+    """verl keeps the reference policy in the training dtype: 2 bytes a parameter under bf16, not 4."""
+    from arpo.plan.check import build_plan
+
+    cfg = load_config("arpo_trainer", [f"actor_rollout_ref.model.path={QWEN7B}", "trainer.n_gpus_per_node=8",
+                                       "actor_rollout_ref.actor.use_kl_loss=true"])
+    plan = build_plan(cfg, 80 * GIB)
+    rows = dict(plan.gpu_tables[0].rows)
+    assert rows["reference weights, compute dtype (shard 1/8)"][0] == 2 * plan.shapes.shard_numel(8)

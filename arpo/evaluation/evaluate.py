@@ -400,6 +400,12 @@ def _generate(cfg: DictConfig, rollout_config: Any, grader: Any, run_dir: Path, 
     if not Path(model_path).is_dir():
         raise ConfigError(f"actor_rollout_ref.model.path={model_path}: no such directory; give an HF checkpoint "
                           f"(the tiny SFT model: python -m arpo.pipeline)")
+    import torch
+
+    from arpo.plan.stages import check_stage
+
+    # an evaluation that cannot fit its GPUs stops before any engine starts
+    check_stage("eval", cfg, "cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = tokenizer_for(cfg)
     specs = [SampleSpec(item, run, encode_prompt(tokenizer, item.messages)) for item, run in pending]
     try:

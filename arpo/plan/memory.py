@@ -4,7 +4,7 @@ Formulas (bytes; P parameters, s = P_shard the elements one rank holds under FSD
 dtype's bytes, r the residual stream's (b on a GPU under FSDP2 mixed precision, 4 on a CPU under autocast), h/h_kv/i
 hidden, KV and MLP widths, L layers, V vocabulary, T tokens of a micro-batch = rows x (max prompt + max response)):
 
-* actor shards: 4s master weights + 8s AdamW m and v, + 4s gradients during the update; reference 4s; critic as
+* actor shards: 4s master weights + 8s AdamW m and v, + 4s gradients during the update; reference bs (kept in the compute dtype, as verl does); critic as
   the actor with its value head. With LoRA (``lora_rank`` > 0) gradients and AdamW state cover only the adapters
   (a shard of r x (in + out) per wrapped linear), and there is no reference copy: the actor's base model serves. FSDP2 working set: the root unit (embeddings, head) and two decoder layers
   gathered in b, and in the backward the root's and one layer's unsharded gradients (b, plus 4 for a layer's
@@ -213,7 +213,7 @@ def training_gpu_table(m: ModelShapes, s: PlanSettings, gpu_bytes: float, with_e
         t.add(f"actor fp32 weights + AdamW m, v (shard 1/{ws})", 12 * shard)
         t.add("actor fp32 gradient shard", {"actor update": 4 * shard})
     if s.reference:
-        t.add(f"reference fp32 weights (shard 1/{ws})", 4 * shard)
+        t.add(f"reference weights, compute dtype (shard 1/{ws})", s.compute_bytes * shard)
     if s.critic:
         critic_shard = math.ceil(m.critic_numel() / ws)
         t.add(f"critic fp32 weights + AdamW (shard 1/{ws})", 12 * critic_shard)
@@ -297,7 +297,7 @@ def host_rows(m: ModelShapes, s: PlanSettings) -> list[tuple[str, float]]:
         per_rank = 4 * shard + 12 * trained + transient + adamw_step_bytes(4 * trained, transient)
         rows.append((f"{s.gpus_per_node} actor rank(s): shards, gradients, activations", s.gpus_per_node * per_rank))
         if s.reference:
-            rows.append((f"{s.gpus_per_node} reference rank(s)", s.gpus_per_node * 4 * shard))
+            rows.append((f"{s.gpus_per_node} reference rank(s)", s.gpus_per_node * s.compute_bytes * shard))
         if s.critic:
             rows.append((f"{s.gpus_per_node} critic rank(s)", s.gpus_per_node * 16 * math.ceil(m.critic_numel()
                                                                                           / s.world_size)))
