@@ -108,19 +108,10 @@ def validate_config(cfg: DictConfig) -> None:
     check_memory_plan(cfg)  # last: the memory plan reads a config every other rule has passed (arpo/plan/)
 
 
-def needs_reference(cfg: DictConfig) -> bool:
-    """A reference worker group is needed for the KL loss or the KL-in-reward penalty, unless LoRA is on (the
-    actor's workers then give the reference log-probs with the adapters disabled, see
-    :func:`arpo.trainer.actor_config.reference_policy`)."""
-    from arpo.trainer.actor_config import reference_policy
-
-    return reference_policy(cfg) == "ref"
-
-
 def worker_groups(cfg: DictConfig) -> list[str]:
     """The FSDP2 worker groups the config needs: the actor, the reference (a KL term without LoRA), the critic
     (GAE)."""
-    from arpo.trainer.actor_config import uses_critic
+    from arpo.trainer.actor_config import needs_reference, uses_critic
 
     return ["actor"] + ["ref"] * needs_reference(cfg) + ["critic"] * uses_critic(cfg)
 

@@ -93,8 +93,7 @@ class PlanSettings:
     @classmethod
     def from_config(cls, cfg: DictConfig, gpu: bool) -> "PlanSettings":
         from arpo.engine.config import resolve_enforce_eager
-        from arpo.main_arpo import needs_reference
-        from arpo.trainer.actor_config import uses_critic
+        from arpo.trainer.actor_config import needs_reference, uses_critic
 
         r = "actor_rollout_ref.rollout"
         t = cfg.trainer

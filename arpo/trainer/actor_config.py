@@ -187,6 +187,12 @@ def reference_policy(cfg: Any) -> str | None:
     return "actor" if int(cfg_get(cfg, "actor_rollout_ref.model.lora_rank", 0)) > 0 else "ref"
 
 
+def needs_reference(cfg: Any) -> bool:
+    """A reference worker group is needed for the KL loss or the KL-in-reward penalty, unless LoRA is on (the
+    actor's workers then give the reference log-probs with the adapters disabled, see :func:`reference_policy`)."""
+    return reference_policy(cfg) == "ref"
+
+
 def uses_critic(cfg: Any) -> bool:
     """PPO with a critic: GAE is the one estimator that needs values."""
     return cfg_get(cfg, "algorithm.adv_estimator", "grpo") == "gae"
