@@ -55,7 +55,7 @@ def parse_setting(text: str) -> tuple[str, dict[str, str], dict[str, str]]:
 def prepare(work: Path, preset: str, overrides: list[str]) -> dict:
     """Data, base model and the demonstrations (built once, shared by every setting) under ``work``."""
     from arpo.pipeline import Pipeline
-    from arpo.sft import DemonstrationStream, iter_demonstrations
+    from arpo.data.sft_demonstrations import DemonstrationStream, iter_demonstrations
     from tools.registry import load_tools
 
     import pandas as pd

@@ -12,7 +12,7 @@ from tests import prebuild
 
 def _demonstrations(cfg, rows: pd.DataFrame) -> list:
     from arpo.chat_templates import tokenizer_for
-    from arpo.sft import iter_demonstrations
+    from arpo.data.sft_demonstrations import iter_demonstrations
     from tools.registry import load_tools
 
     s = cfg.sft

@@ -107,7 +107,7 @@ def test_pages_fit_the_search_tools_cut(levels):
 
 @pytest.mark.parametrize("level, verbose", [(1, False), (4, False), (4, True)])
 def test_demonstrations_pick_a_wrong_town_at_the_configured_rate(levels, level, verbose):
-    from arpo.sft import build_demonstration
+    from arpo.data.sft_demonstrations import build_demonstration
 
     rows = levels[level]["rows"].head(60)
     modes = collections.Counter()

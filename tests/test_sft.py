@@ -8,8 +8,8 @@ import pandas as pd
 import pytest
 from transformers import AutoTokenizer
 
+from arpo.data.sft_demonstrations import Segment, build_demonstration, tokenize_demonstration
 from arpo.protocol import RESULT_CLOSE, RESULT_OPEN
-from arpo.sft import Segment, build_demonstration, tokenize_demonstration
 from tools.base import BaseTool
 
 
@@ -194,7 +194,8 @@ def _saved(model, path: Path) -> Path:
 
 def _train(model_dir, examples, *, epochs, batch_size, max_steps=0, num_examples=None, sft=None, **kwargs):
     """``train_sft`` on one in-process rank of ``model_dir``; returns (summary, final parameters)."""
-    from arpo.sft import DemonstrationStream, plan_steps, train_sft
+    from arpo.data.sft_demonstrations import DemonstrationStream
+    from arpo.sft import plan_steps, train_sft
 
     n = num_examples if isinstance(examples, DemonstrationStream) else len(examples)
     group = sft_group(model_dir, plan_steps(n, batch_size, epochs, max_steps)[1], **(sft or {}))
@@ -210,7 +211,7 @@ def test_streamed_first_epoch_trains_on_every_demonstration_then_reuses_them(tmp
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from arpo.sft import DemonstrationStream
+    from arpo.data.sft_demonstrations import DemonstrationStream
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -242,7 +243,7 @@ def test_streamed_first_epoch_trains_on_every_demonstration_then_reuses_them(tmp
 def test_stream_stops_pulling_demonstrations_when_max_steps_is_reached(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from arpo.sft import DemonstrationStream
+    from arpo.data.sft_demonstrations import DemonstrationStream
 
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2))

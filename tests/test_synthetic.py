@@ -230,7 +230,7 @@ def test_compare_code_uses_both_found_numbers(hard):
 
 
 def test_hard_plans_become_sft_demonstrations_unchanged(hard):
-    from arpo.sft import build_demonstration
+    from arpo.data.sft_demonstrations import build_demonstration
 
     df = _rows(hard, "test")
     for kind in HARD_KINDS:

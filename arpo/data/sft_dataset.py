@@ -4,7 +4,7 @@ The cold-start SFT (:mod:`arpo.sft`) trains on one kind of example whatever its 
 then the response laid out as the ARPO rollout lays it out (model text, `` <result>\\n…\\n</result>`` appended after
 each tool call, EOS), with the loss on the model's tokens only. The synthetic demonstrations build that layout from
 a gold plan; this module builds it from recorded trajectories, so both go through
-:func:`arpo.sft.tokenize_demonstration` and cannot drift apart.
+:func:`arpo.data.sft_demonstrations.tokenize_demonstration` and cannot drift apart.
 
 * ``messages`` (OpenAI): ``system``/``user`` turns before the first ``assistant`` turn are the prompt; an assistant
   turn's ``tool_calls`` become ``<tag> query </tag>`` after its text (the function name picks the tool, the tool's
@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from arpo.config import ConfigError
+from arpo.data.sft_demonstrations import Segment, tokenize_demonstration
 from arpo.protocol import RESULT_CLOSE, RESULT_OPEN, ToolProtocol, format_tool_result
-from arpo.sft import Segment, tokenize_demonstration
 
 #: values of ``sft.data_format``
 FORMATS = ("auto", "synthetic", "messages", "sharegpt")
@@ -408,7 +408,8 @@ def load_trajectories(path: str | Path, fmt: str, targets: CallTargets, max_samp
 
 def iter_trajectory_examples(trajectories: Sequence[Trajectory], tokenizer: Any
                              ) -> Iterator[tuple[tuple[list[int], list[int]], str]]:
-    """``((ids, mask), kind)`` per trajectory, the shape :class:`arpo.sft.DemonstrationStream` takes, tokenised by
-    the demonstrations' own :func:`arpo.sft.tokenize_demonstration` (loss on model tokens and EOS only)."""
+    """``((ids, mask), kind)`` per trajectory, the shape :class:`~arpo.data.sft_demonstrations.DemonstrationStream`
+    takes, tokenised by the demonstrations' own :func:`~arpo.data.sft_demonstrations.tokenize_demonstration` (loss on
+    model tokens and EOS only)."""
     for t in trajectories:
         yield tokenize_demonstration(tokenizer, t.prompt, t.segments), t.kind

@@ -30,7 +30,7 @@ def main() -> None:
     import pandas as pd
 
     from arpo.config import load_config
-    from arpo.sft import build_demonstration
+    from arpo.data.sft_demonstrations import build_demonstration
     from tools.registry import load_tools
 
     tools = load_tools(load_config("sft", [f"synthetic.out_dir={args.data}"]).tools)
