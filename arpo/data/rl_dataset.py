@@ -19,12 +19,13 @@ The order of epoch ``e`` is a permutation seeded by ``(data.seed, e)``, so the l
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
+
+from arpo.jsonl import json_lines
 
 logger = logging.getLogger(__name__)
 
@@ -48,15 +49,9 @@ def jsonl_rows(path: Path, prompt_key: str = "prompt") -> list[dict[str, Any]]:
     """The rows of a JSONL file in verl's layout (module docstring); a line without a prompt or an answer is one
     error naming the file, line and the keys it has."""
     rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with open(path, encoding="utf-8") as f:
+        for n, raw in json_lines(f, path, "a .jsonl data file has one object a line"):
             where = f"{path}:{n}"
-            try:
-                raw = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not JSON ({e.msg}); a .jsonl data file has one object a line") from None
             if not isinstance(raw, dict):
                 raise ValueError(f"{where}: not a JSON object; a .jsonl data file has one object a line")
             row = dict(raw)

@@ -13,11 +13,12 @@ Parquet files are verl rows (``data_source``, ``prompt`` chat messages, ``reward
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
+
+from arpo.jsonl import json_lines
 
 logger = logging.getLogger(__name__)
 
@@ -64,16 +65,10 @@ def load_jsonl_benchmark(path: str | Path, benchmark: str, prompt: str, data_sou
     path = Path(path)
     items: list[EvalItem] = []
     with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if limit is not None and len(items) >= limit:
-                break
-            if not line.strip():
-                continue
+        # stop at the limit before reading on: a broken line past it is not this call's error
+        rows = json_lines(f, path, "a test.jsonl file has one object a line") if limit is None or limit > 0 else ()
+        for line_no, row in rows:
             where = f"{path}:{line_no}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e})") from None
             if "answer" not in row:
                 raise ValueError(f"{where}: no 'answer' key (a string or a list of acceptable answers)")
             question = _question(row, where)
@@ -84,6 +79,8 @@ def load_jsonl_benchmark(path: str | Path, benchmark: str, prompt: str, data_sou
                 messages=[{"role": "system", "content": prompt}, {"role": "user", "content": question}],
                 meta=meta,
             ))
+            if limit is not None and len(items) >= limit:
+                break
     return items
 
 

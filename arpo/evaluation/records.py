@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from arpo.jsonl import json_lines
+
 logger = logging.getLogger(__name__)
 
 SAMPLES_DIR = "samples"
@@ -45,13 +47,7 @@ def load_samples(path: str | Path, repair: bool = True) -> list[dict[str, Any]]:
         data = data[:end]
     records: list[dict[str, Any]] = []
     seen: set[tuple[str, int, int]] = set()
-    for line_no, line in enumerate(data.decode("utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{line_no}: not valid JSON ({e}); remove or fix that line") from None
+    for line_no, record in json_lines(data.decode("utf-8").splitlines(), path, "remove or fix that line"):
         key = sample_key(record)
         if key in seen:
             logger.warning("%s:%d: duplicate sample %s ignored (the first one is kept)", path, line_no, key)

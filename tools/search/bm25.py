@@ -24,6 +24,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from arpo.jsonl import json_lines
 from tools.search.base import SearchBackend, SearchBackendError, SearchHit, resolve_path
 
 logger = logging.getLogger(__name__)
@@ -53,13 +54,7 @@ def load_jsonl_corpus(path: str | Path) -> list[Document]:
                                 '{"id", "title", "text", "url"} object per line')
     docs: list[Document] = []
     with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from e
+        for lineno, row in json_lines(f, path, "each line must be one JSON object"):
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
             text = row.get("text")
