@@ -265,7 +265,7 @@ class Pipeline:
             build_from_config(cfg.tiny_model, Path(cfg.synthetic.out_dir))
         else:
             from arpo.models.pretrained import prepare_base_model
-            from arpo.pipeline_stages import download_base_model, is_hub_id
+            from arpo.models.hub import download_base_model, is_hub_id
 
             b = self.config("base_model").base_model
             source = str(b.source)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 import shutil
 from pathlib import Path
 from typing import Any, Sequence
@@ -25,8 +24,6 @@ logger = logging.getLogger(__name__)
 
 #: where a preset's RL prompts come from: generated (the synthetic benchmark) or given (data.train_files/val_files)
 RL_DATA = ("synthetic", "files")
-#: ``org/name``: a Hugging Face model id (downloaded once into the pipeline's models/ folder)
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def override_key(override: str) -> str:
@@ -101,23 +98,6 @@ def check_sft_file(overrides: Sequence[str]) -> None:
         raise ConfigError(f"sft.train_file={train_file}: no such file{missing_file_hint(train_file)}; or give "
                           f"the SFT trajectory file's path")
 
-
-#: an HF checkpoint's files: weights, config, tokenizer (no other weight formats)
-MODEL_FILES = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken")
-
-
-def is_hub_id(source: str) -> bool:
-    """``Qwen/Qwen2.5-7B-Instruct``-like and not a local path."""
-    return bool(_HUB_ID.match(source)) and not Path(source).expanduser().exists()
-
-
-def download_base_model(repo_id: str, out_dir: Path) -> Path:
-    """Fetch an HF checkpoint once into ``out_dir`` (weights, config, tokenizer; no other formats)."""
-    from huggingface_hub import snapshot_download
-
-    logger.info("downloading %s from the Hugging Face Hub into %s", repo_id, out_dir)
-    snapshot_download(repo_id=repo_id, local_dir=str(out_dir), allow_patterns=list(MODEL_FILES))
-    return out_dir
 
 
 def has_checkpoint(folder: Path) -> bool:

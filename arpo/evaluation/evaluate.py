@@ -63,7 +63,7 @@ _HUB_SNAPSHOT = re.compile(r"models--(?P<owner>[^/]+?)--(?P<name>[^/]+)/snapshot
 def resolve_hub_model(cfg: DictConfig) -> None:
     """A Hub model ID in ``actor_rollout_ref.model.path`` (``dongguanting/Qwen2.5-7B-ARPO``), as transformers and
     vLLM take one: downloaded once into the Hub cache (resumable), the path set to that snapshot."""
-    from arpo.pipeline_stages import MODEL_FILES, is_hub_id
+    from arpo.models.hub import MODEL_FILES, is_hub_id
 
     path = str(cfg.actor_rollout_ref.model.path)
     if not is_hub_id(path):
