@@ -10,7 +10,7 @@ import torch
 
 from arpo.trainer.dynamic_batching import pack_by_tokens
 from tests.trainer.workers_helpers import (add_training_columns, base_config, max_abs_diff, random_batch,  # noqa: F401
-                                           ray_cluster, reference_update, small_model, tree_batch)
+                                           ray_cluster, ray_update, reference_update, small_model, tree_batch)
 
 
 def test_rows_are_packed_longest_first_up_to_the_budget_and_a_longer_row_runs_alone():
@@ -167,19 +167,9 @@ def test_dynamic_batching_keys_are_validated():
 @pytest.mark.slow
 def test_two_rank_dynamic_batching_update_equals_one_process(small_model, ray_cluster):
     """2 gloo ranks with token-budget micro-batches of uneven counts per rank: one plain process's update."""
-    from arpo.trainer.worker_group import RayWorkerGroup
-
     cfg = base_config(small_model, world=2, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=20)
     cfg["actor_rollout_ref"]["rollout"].update(log_prob_use_dynamic_bsz=True, log_prob_max_token_len_per_gpu=20)
-    batch = random_batch(8, seed=1)
-    group = RayWorkerGroup(cfg, role="actor")
-    try:
-        old = group.compute_log_prob(batch)
-        train = add_training_columns(batch, old["log_probs"], seed=2)
-        metrics = group.update_policy(train, keep_gradients=True)
-        params, grads = group.full_parameters(), group.full_gradients()
-    finally:
-        group.shutdown()
+    _, train, metrics, params, grads = ray_update(cfg, random_batch(8, seed=1), seed=2)
     ref_params, ref_grads, ref_metrics = reference_update(small_model, train, cfg)
     assert max_abs_diff(grads, ref_grads) < 1e-6
     assert max_abs_diff(params, ref_params) < 1e-6

@@ -7,7 +7,7 @@ import torch
 
 from arpo.batch import DataBatch
 from tests.trainer.workers_helpers import (add_training_columns, base_config, max_abs_diff, random_batch,  # noqa: F401
-                                           ray_cluster, reference_update, small_model, tree_batch)
+                                           ray_cluster, ray_update, reference_update, small_model, tree_batch)
 
 pytestmark = pytest.mark.slow
 
@@ -71,21 +71,12 @@ def test_tree_packed_update_on_two_ranks_equals_the_padded_one_process_update(sm
     """ARPO trees (5 prompts x 4 rows with forks), one forward per tree: mini-batches of 3 and 2 trees dealt
     whole to 2 ranks, so one rank has a tree fewer and joins the other's collectives with an empty micro-batch.
     Log-probs, entropy and gradients are the padded layout's to float rounding (2e-5 relative)."""
-    from arpo.trainer.worker_group import RayWorkerGroup
-
     cfg = base_config(small_model, world=2, tree_packing=True, ppo_mini_batch_size=3)
     cfg["actor_rollout_ref"]["rollout"]["n"] = 4
     cfg["actor_rollout_ref"]["model"]["enable_gradient_checkpointing"] = checkpointing
     batch = tree_batch(5, 4, seed=5)
     assert (batch.non_tensors["parent_index"] >= 0).sum() >= 10
-    group = RayWorkerGroup(cfg, role="actor")
-    try:
-        old = group.compute_log_prob(batch)
-        train = add_training_columns(batch, old["log_probs"], seed=6)
-        metrics = group.update_policy(train, keep_gradients=True)
-        params, grads = group.full_parameters(), group.full_gradients()
-    finally:
-        group.shutdown()
+    old, train, metrics, params, grads = ray_update(cfg, batch, seed=6)
     assert torch.allclose(old["log_probs"], _hf_log_probs(small_model, batch), atol=1e-5)
     attended = batch["attention_mask"][:, -batch["responses"].shape[1]:] == 1
     assert (old["entropy"][attended] > 0).all() and not old["entropy"][~attended].any()
@@ -104,20 +95,10 @@ def test_tree_packed_update_on_two_ranks_equals_the_padded_one_process_update(sm
 def test_uneven_batch_is_padded_without_changing_the_update(small_model, ray_cluster):
     """7 rows over 2 ranks (mini-batches of 4 and 3 rows): pad rows carry no loss; seq-mean-token-sum
     counts only real rows; ppo_epochs=2 and micro-batches of 2."""
-    from arpo.trainer.worker_group import RayWorkerGroup
-
     cfg = base_config(small_model, world=2, loss_agg_mode="seq-mean-token-sum", ppo_epochs=2,
                       ppo_micro_batch_size_per_gpu=2, entropy_coeff=0.0)
-    group = RayWorkerGroup(cfg, role="actor")
-    try:
-        batch = random_batch(7, seed=3)
-        old = group.compute_log_prob(batch, calc_entropy=False)
-        assert len(old["log_probs"]) == 7 and "entropy" not in old
-        train = add_training_columns(batch, old["log_probs"], seed=4)
-        metrics = group.update_policy(train, keep_gradients=True)
-        params, grads = group.full_parameters(), group.full_gradients()
-    finally:
-        group.shutdown()
+    old, train, metrics, params, grads = ray_update(cfg, random_batch(7, seed=3), seed=4, calc_entropy=False)
+    assert len(old["log_probs"]) == 7 and "entropy" not in old
     ref_params, ref_grads, ref_metrics = reference_update(small_model, train, cfg)
     assert max_abs_diff(grads, ref_grads) < 1e-6
     assert max_abs_diff(params, ref_params) < 1e-6

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.trainer.workers_helpers import (add_training_columns, base_config, max_abs_diff,  # noqa: F401
-                                           one_process_group, random_batch, ray_cluster, small_model)
+                                           one_process_group, random_batch, ray_cluster, ray_update, small_model)
 
 
 def _cfg(model_dir, world: int = 1, rank: int = 4) -> dict:
@@ -111,18 +111,7 @@ def test_lora_keys_are_validated():
 def test_two_rank_lora_update_equals_one_process(small_model, ray_cluster, one_process_group):
     """The same LoRA update (rank 0's adapter init from trainer.seed, broadcast) on 2 gloo ranks and in one
     process: gradients and weights to 1e-6."""
-    from arpo.trainer.worker_group import RayWorkerGroup
-
-    batch = random_batch(8, seed=3)
-    cfg2 = _cfg(small_model, world=2)
-    group = RayWorkerGroup(cfg2, role="actor")
-    try:
-        old = group.compute_log_prob(batch)
-        train = add_training_columns(batch, old["log_probs"], seed=4)
-        group.update_policy(train, keep_gradients=True)
-        params2, grads2 = group.full_parameters(), group.full_gradients()
-    finally:
-        group.shutdown()
+    _, train, _, params2, grads2 = ray_update(_cfg(small_model, world=2), random_batch(8, seed=3), seed=4)
     worker = _worker(copy.deepcopy(_cfg(small_model, world=1)))
     worker.update_policy(train, keep_gradients=True)
     params1, grads1 = _copy(worker.full_parameters()), _copy(worker.full_gradients())

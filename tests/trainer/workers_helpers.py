@@ -127,6 +127,24 @@ def add_training_columns(batch: DataBatch, old_log_probs: torch.Tensor, seed: in
     return out
 
 
+def ray_update(cfg: dict, batch: DataBatch, seed: int, **log_prob_kwargs
+               ) -> tuple[dict[str, torch.Tensor], DataBatch, dict[str, float], dict, dict]:
+    """What the data-parallel tests compare with :func:`reference_update`: an actor RayWorkerGroup's old log-probs of
+    ``batch``, one update on them (:func:`add_training_columns` with ``seed``), then its full parameters and
+    gradients; the group is shut down even when a call fails, so the next test gets the cluster's CPUs.
+    Returns ``(old, train, metrics, params, grads)``."""
+    from arpo.trainer.worker_group import RayWorkerGroup
+
+    group = RayWorkerGroup(cfg, role="actor")
+    try:
+        old = group.compute_log_prob(batch, **log_prob_kwargs)
+        train = add_training_columns(batch, old["log_probs"], seed=seed)
+        metrics = group.update_policy(train, keep_gradients=True)
+        return old, train, metrics, group.full_parameters(), group.full_gradients()
+    finally:
+        group.shutdown()
+
+
 def reference_mini_batches(model: torch.nn.Module, batch: DataBatch, section: dict, rollout_n: int
                            ) -> Iterator[DataBatch]:
     """One process's PPO schedule with plain AdamW over ``section`` (the actor's or the critic's config): every
