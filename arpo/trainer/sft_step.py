@@ -74,6 +74,12 @@ def trained_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.float(), targets) if targets.numel() else logits.float().sum() * 0.0
 
 
+def trained_tokens(labels: torch.Tensor) -> int:
+    """How many next-token targets of right-padded ``labels`` are trained (the first column predicts nothing):
+    the driver's global count and each micro-batch's share of it must count alike."""
+    return int((labels[:, 1:] != -100).sum())
+
+
 def masked_lm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
                    shared_prefix: int = 0) -> torch.Tensor:
     """Next-token cross-entropy (mean) over the trained positions only; see :func:`masked_lm_logits`. Same loss
@@ -116,10 +122,11 @@ class SFTWorker(ActorWorker):
         for rows in range(0, len(ids), micro):
             sl = slice(rows, rows + micro)
             with self.settings.autocast_context():
-                logits, targets, anchor = masked_lm_logits(self.model, ids[sl], attn[sl], labels[sl], shared_prefix)
-                loss = trained_token_loss(logits, targets)
-            scaled = loss * (targets.numel() * self.world_size / max(1, global_tokens))
-            (scaled if anchor is None else scaled + anchor).backward()
+                loss = masked_lm_loss(self.model, ids[sl], attn[sl], labels[sl], shared_prefix)
+            # the shared prefix's tokens are untrained (masked_lm_logits checks), so counting from column 1 counts
+            # exactly the positions the loss averages over
+            scaled = loss * (trained_tokens(labels[sl]) * self.world_size / max(1, global_tokens))
+            scaled.backward()
             total += float(scaled.detach())
         lr = float(self.lr_scheduler.get_last_lr()[0])
         grad_norm = self.clip_and_step(float(self.config["sft"]["grad_clip"]))

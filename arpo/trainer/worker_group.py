@@ -247,7 +247,9 @@ class WorkerGroup:
         per = rows // self.world_size
         shares = [{"input_ids": input_ids[sl], "attention_mask": attention_mask[sl], "labels": labels[sl]}
                   for sl in (slice(r * per, (r + 1) * per) for r in range(self.world_size))]
-        global_tokens = int((labels[:, 1:] != -100).sum())
+        from arpo.trainer.sft_step import trained_tokens
+
+        global_tokens = trained_tokens(labels)
         return self.execute_split("sft_step", shares, shared_prefix, global_tokens)[0]
 
     def export_hf(self, out_dir: str) -> str:
