@@ -250,7 +250,7 @@ class Pipeline:
     def _check_files(self, rl, sft_done: bool) -> None:
         check_rl_files(rl)
         if not sft_done:
-            check_sft_file(self.overrides)
+            check_sft_file(self.overrides, str(self.config("sft").sft.train_file))
 
     def _generate_data(self) -> None:
         from arpo.data.synthetic import generate_from_config

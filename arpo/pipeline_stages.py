@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, ListConfig
 
 from arpo.config import ConfigError
-from arpo.data.release import data_root, missing_file_hint
+from arpo.data.release import missing_file_hint
 
 logger = logging.getLogger(__name__)
 
@@ -84,16 +84,13 @@ def check_rl_files(cfg: DictConfig) -> list[Path]:
     return found
 
 
-def check_sft_file(overrides: Sequence[str]) -> None:
-    """A ``rl_data: files`` preset has no synthetic demonstrations: its SFT stage needs a trajectory file."""
-    train_file = override_value(overrides, "sft.train_file")
-    if train_file is None:
+def check_sft_file(overrides: Sequence[str], train_file: str) -> None:
+    """A ``rl_data: files`` preset has no synthetic demonstrations: its SFT stage needs a trajectory file, given
+    among ``overrides``; ``train_file`` is its value as the SFT stage's composed config resolves it."""
+    if override_value(overrides, "sft.train_file") is None:
         raise ConfigError("sft.train_file is not set: this preset's cold start trains on recorded trajectories; give "
                           "sft.train_file=PATH (ShareGPT or messages .json/.jsonl/.parquet, e.g. ARPO-SFT-54K) or "
                           "sft.out_dir=DIR holding a cold-start checkpoint made elsewhere")
-    if "${data.root}" in train_file:
-        root = override_value(overrides, "data.root") or str(data_root())
-        train_file = train_file.replace("${data.root}", root)
     if not Path(train_file).expanduser().is_file():
         raise ConfigError(f"sft.train_file={train_file}: no such file{missing_file_hint(train_file)}; or give "
                           f"the SFT trajectory file's path")
