@@ -41,7 +41,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tool-latency-s", type=float, default=d.tool_latency_s, help="seconds a tool call takes")
     p.add_argument("--mean-response-tokens", type=int, default=None,
                    help="mean response length (default: half of data.max_response_length)")
-    p.add_argument("--stage", default="rl", choices=["sft", "rl", "eval"],
+    from arpo.plan.stages import STAGES
+
+    p.add_argument("--stage", default="rl", choices=STAGES,
                    help="the pipeline stage to plan (default rl: the training run)")
     p.add_argument("--preset", default=None, help="a pipeline preset (configs/pipeline/<name>.yaml) whose settings "
                                                    "for the stage come first, e.g. paper_qwen2.5_7b")

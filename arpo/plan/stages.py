@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from arpo.plan.check import ROLLOUT
 from arpo.plan.memory import (CUDA_CONTEXT_BYTES, ENGINE_HOST_BYTES, GIB, HEAD_BUFFERS_TRAIN, PROCESS_HOST_BYTES,
                               MemoryPlan, MemoryTable, adamw_step_bytes, engine_budget, gathered_grad_bytes,
                               gathered_param_bytes, head_chunk_bytes, training_activation_bytes)
@@ -24,7 +25,6 @@ from arpo.plan.shapes import ModelShapes, model_shapes
 STAGES = ("sft", "rl", "eval")
 #: the config each stage is composed from
 STAGE_CONFIG = {"sft": "sft", "rl": "arpo_trainer", "eval": "eval"}
-ROLLOUT = "actor_rollout_ref.rollout"
 
 
 def _settings(gpu: bool, **fields: Any) -> PlanSettings:
