@@ -3,7 +3,7 @@
 Importing the package sets the OpenMP environment of every arpo process (:data:`THREAD_ENV`), before torch
 loads OpenMP, which reads it once: entry points (``python -m arpo.pipeline``, ``arpo.sft``, ``arpo.main_arpo``)
 import ``arpo`` first, and Ray workers and engine cores get it from the job's runtime env
-(:func:`arpo.ray_utils.init_ray`). A value already exported wins.
+(:func:`arpo.runtime.ray_utils.init_ray`). A value already exported wins.
 """
 
 import os

@@ -28,7 +28,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from arpo.tracking import json_safe
+from arpo.runtime.tracking import json_safe
 
 #: metric names the trainer logs (arpo/trainer/ray_trainer.py, metrics.py and the rollout's metrics)
 TRAIN_SCORE = "critic/score/mean"
@@ -186,7 +186,7 @@ def compare_variants(summaries: dict[str, list[dict[str, float]]], variant: str,
                                             "tokens_generated")) -> pd.DataFrame:
     """Per summary key: the mean over seeds of ``variant`` and ``baseline`` and Welch's t-test p-value
     (NaN: fewer than two seeds with the value on a side)."""
-    from arpo.stats import welch_t_test
+    from arpo.evaluation.stats import welch_t_test
 
     def values(name: str, key: str) -> list[float]:
         return [s[key] for s in summaries[name] if math.isfinite(s.get(key, math.nan))]

@@ -91,9 +91,9 @@ def cli_main(fn: Callable[[], object]) -> None:
     """Run an entry point; a ConfigError becomes one line on stderr and exit status 2.
 
     Called from a program's ``__main__`` module, both end the process without the interpreter's final garbage
-    collection (:mod:`arpo.fast_exit`: seconds per run); called from other code (a test) it returns or raises
+    collection (:mod:`arpo.runtime.fast_exit`: seconds per run); called from other code (a test) it returns or raises
     SystemExit as usual. An unexpected exception takes Python's usual path (traceback, status 1)."""
-    from arpo.fast_exit import exit_now
+    from arpo.runtime.fast_exit import exit_now
 
     as_program = sys._getframe(1).f_globals.get("__name__") == "__main__"
     if as_program:

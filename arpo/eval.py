@@ -11,10 +11,10 @@ from typing import Any, Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    from arpo.cli_help import exit_if_help
+    from arpo.reference.cli_help import exit_if_help
     from arpo.config import load_config
     from arpo.evaluation.evaluate import evaluate, print_summary, run_dir_of
-    from arpo.logging_utils import setup_logging
+    from arpo.runtime.logging_utils import setup_logging
 
     exit_if_help("eval", "python -m arpo.eval", __doc__, argv)
     cfg = load_config("eval", argv)

@@ -118,7 +118,7 @@ def worker_groups(cfg: DictConfig) -> list[str]:
 
 def ray_cpus_needed(cfg: DictConfig) -> float:
     from arpo.engine.config import default_device
-    from arpo.placement import planned_num_replicas
+    from arpo.runtime.placement import planned_num_replicas
 
     groups = len(worker_groups(cfg))
     ranks = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
@@ -157,9 +157,9 @@ def build_trainer(cfg: DictConfig):
     from arpo.chat_templates import tokenizer_for
     from arpo.data.rl_dataset import create_rl_dataloaders
     from arpo.engine.factory import create_engines
-    from arpo.placement import resolve_rollout_auto
-    from arpo.ray_utils import init_ray
-    from arpo.tracking import Tracking
+    from arpo.runtime.placement import resolve_rollout_auto
+    from arpo.runtime.ray_utils import init_ray
+    from arpo.runtime.tracking import Tracking
     from arpo.trainer.ray_trainer import RayARPOTrainer, TrainerCheckpointer
     from arpo.trainer.worker_group import RayWorkerGroup
     from reward_fns.manager import RewardManager
@@ -194,7 +194,7 @@ def build_trainer(cfg: DictConfig):
 
 def _start_engine_and_workers(cfg: DictConfig, create_engines, worker_group) -> tuple[list[Any], dict[str, Any]]:
     """The rollout engine's replicas and the worker groups by role (:func:`worker_groups`), on a cluster with GPUs
-    in the placement groups of :mod:`arpo.placement` (colocated or split). On CPU their start-ups (process spawns,
+    in the placement groups of :mod:`arpo.runtime.placement` (colocated or split). On CPU their start-ups (process spawns,
     imports, model loads; ~10 s each here) run at once. On a GPU they start one after another, as in verl: vLLM
     sizes its KV cache from the memory free while it profiles, which ranks loading beside it would change."""
     from arpo.engine.config import default_device
@@ -219,10 +219,10 @@ def uses_gpu_placement(cfg: DictConfig) -> bool:
 
 
 def training_nodes(cfg: DictConfig) -> list[str] | None:
-    """The nodes of the training ranks (:func:`arpo.ray_utils.rank_nodes`; ValueError when the cluster lacks them).
+    """The nodes of the training ranks (:func:`arpo.runtime.ray_utils.rank_nodes`; ValueError when the cluster lacks them).
     With GPU placement a node's bundle holds rank r of every role (their CPUs together, one GPU); else each
     role's ranks are pinned on their own."""
-    from arpo.ray_utils import rank_nodes
+    from arpo.runtime.ray_utils import rank_nodes
 
     t = cfg.trainer
     if uses_gpu_placement(cfg):
@@ -232,7 +232,7 @@ def training_nodes(cfg: DictConfig) -> list[str] | None:
 
 def gpu_placement(cfg: DictConfig, roles: list[str]):
     """The run's placement groups on a cluster with GPUs (one clear error when it cannot hold them)."""
-    from arpo.placement import GpuPlacement, PlacementPlan
+    from arpo.runtime.placement import GpuPlacement, PlacementPlan
 
     try:
         return GpuPlacement(PlacementPlan.from_config(cfg, roles), training_nodes(cfg))
@@ -283,7 +283,7 @@ def announce(cfg: DictConfig) -> None:
     """Save the resolved config as ``<output_dir>/config.yaml`` and log the run's header: what is trained on what,
     and every key that differs from ``configs/arpo_trainer.yaml``."""
     from arpo.config import load_config
-    from arpo.console import config_diff, run_header
+    from arpo.runtime.console import config_diff, run_header
 
     out = Path(cfg.trainer.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -303,7 +303,7 @@ def announce(cfg: DictConfig) -> None:
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    from arpo.seeding import seed_everything
+    from arpo.runtime.seeding import seed_everything
 
     validate_config(cfg)
     announce(cfg)
@@ -332,8 +332,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 
 def run_machine(cfg: DictConfig, rank_info: dict) -> dict[str, Any]:
-    """:func:`arpo.machine.machine_info` with the trainer's resolved dtype and a training rank's thread count."""
-    from arpo.machine import machine_info
+    """:func:`arpo.runtime.machine.machine_info` with the trainer's resolved dtype and a training rank's thread count."""
+    from arpo.runtime.machine import machine_info
     from arpo.trainer.device import device_settings_from_config
 
     info = machine_info()
@@ -369,7 +369,7 @@ def validation_gain(folder: str | None, last_step: int, confidence: float = 0.95
     bootstrap confidence interval of the gain. None when either validation is missing."""
     import numpy as np
 
-    from arpo.stats import paired_gain
+    from arpo.evaluation.stats import paired_gain
 
     if not folder or last_step == 0:
         return None
@@ -387,7 +387,7 @@ def validation_gain(folder: str | None, last_step: int, confidence: float = 0.95
 
 def describe_gain(gain: dict[str, Any]) -> str:
     """One line: validation accuracy and reward before → after RL, with the gain's interval."""
-    from arpo.stats import GainInterval
+    from arpo.evaluation.stats import GainInterval
 
     fields = GainInterval.__dataclass_fields__
     parts = [GainInterval(**{k: v for k, v in gain[key].items() if k in fields}).describe(name)
@@ -396,11 +396,11 @@ def describe_gain(gain: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    from arpo.cli_help import exit_if_help
+    from arpo.reference.cli_help import exit_if_help
     from arpo.config import load_config
-    from arpo.logging_utils import setup_logging
+    from arpo.runtime.logging_utils import setup_logging
 
-    from arpo.ray_utils import stop_ray
+    from arpo.runtime.ray_utils import stop_ray
 
     exit_if_help("arpo_trainer", "python -m arpo.main_arpo", __doc__)
     cfg = load_config("arpo_trainer")

@@ -35,7 +35,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from arpo.config import ConfigError, config_dir, load_config
-from arpo.machine import describe_machine
+from arpo.runtime.machine import describe_machine
 from arpo.pipeline_stages import (RL_DATA, check_rl_files, check_sft_file, has_checkpoint, override_key,
                                   override_value)
 
@@ -322,9 +322,9 @@ def read_sft_summary(sft_model: Path) -> dict:
 
 
 def pipeline_machine(summary: dict) -> dict:
-    """Where the run ran (:func:`arpo.machine.machine_info`; the RL stage's own record when it ran), with the
+    """Where the run ran (:func:`arpo.runtime.machine.machine_info`; the RL stage's own record when it ran), with the
     dtype each training stage resolved to."""
-    from arpo.machine import machine_info
+    from arpo.runtime.machine import machine_info
 
     info = dict(summary.get("machine") or machine_info())
     dtypes = dict(info.get("dtypes") or {})
@@ -361,8 +361,8 @@ def final_summary(summary: dict, root: Path) -> str:
 def main() -> None:
     import os
 
-    from arpo.console import run_header
-    from arpo.logging_utils import ENGINE_LOGS_ENV, setup_logging
+    from arpo.runtime.console import run_header
+    from arpo.runtime.logging_utils import ENGINE_LOGS_ENV, setup_logging
     from arpo.main_arpo import describe_gain
 
     from arpo.config import config_dir
@@ -415,7 +415,7 @@ def main() -> None:
     summary: dict = {"preset": preset.name, "base_model": preset.base_model, "overrides": pipeline.overrides,
                      "sft": read_sft_summary(paths["sft_model"])}
     if not args.skip_rl:
-        from arpo.ray_utils import stop_ray
+        from arpo.runtime.ray_utils import stop_ray
 
         rl = pipeline.run_rl()
         stop_ray()

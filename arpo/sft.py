@@ -242,7 +242,7 @@ def run_sft(cfg) -> Path:
     from arpo.chat_templates import configured_template, tokenizer_for
     from arpo.config import require_path
     from arpo.data.sft_dataset import CallTargets, detect_format, iter_trajectory_examples, load_trajectories
-    from arpo.seeding import seed_everything
+    from arpo.runtime.seeding import seed_everything
     from arpo.trainer.checkpoint import CheckpointManager
     from arpo.trainer.worker_group import LocalWorkerGroup, RayWorkerGroup
     from tools.registry import load_tools
@@ -313,9 +313,9 @@ def run_sft(cfg) -> Path:
 
 
 def main() -> None:
-    from arpo.cli_help import exit_if_help
+    from arpo.reference.cli_help import exit_if_help
     from arpo.config import load_config
-    from arpo.logging_utils import setup_logging
+    from arpo.runtime.logging_utils import setup_logging
 
     exit_if_help("sft", "python -m arpo.sft", __doc__)
     cfg = load_config("sft")

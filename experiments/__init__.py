@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from arpo.machine import git_sha  # noqa: F401 - the commit every result JSON records
+from arpo.runtime.machine import git_sha  # noqa: F401 - the commit every result JSON records
 
 REPO = Path(__file__).resolve().parents[1]
 

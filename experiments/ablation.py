@@ -377,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)
     _STOPPING.clear()
-    from arpo.logging_utils import setup_logging
+    from arpo.runtime.logging_utils import setup_logging
 
     setup_logging(args.runs_dir / args.suite / "logs", filename="ablation.log")
     suite = SUITES[args.suite]

@@ -9,7 +9,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from arpo import analysis, stats
+from arpo import analysis
+from arpo.evaluation import stats
 from arpo.evaluation.training_tables import write_training_tables
 from experiments import repo_path, repo_relative
 

@@ -287,7 +287,7 @@ def main() -> None:
                     help="subset of modes to run (arpo and single always run, single_rounds with arpo_rounds); "
                          "default: all")
     args = ap.parse_args()
-    from arpo.logging_utils import json_stdout, setup_logging
+    from arpo.runtime.logging_utils import json_stdout, setup_logging
 
     out = json_stdout()
     setup_logging()  # console on stderr; VLLM_CONFIGURE_LOGGING=0 keeps vLLM's own stdout handler away

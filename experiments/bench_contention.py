@@ -164,7 +164,7 @@ def main() -> None:
                          "alone_all_s": [round(t, 3) for t in times[name]["alone"][step]],
                          "busy_all_s": [round(t, 3) for t in times[name]["busy"][step]]}
         summary[name] = row
-    from arpo.machine import machine_info
+    from arpo.runtime.machine import machine_info
     from experiments import git_sha
 
     print(json.dumps({"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),

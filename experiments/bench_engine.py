@@ -92,7 +92,7 @@ async def main() -> None:
     ap.add_argument("--dtype", default="auto", help="engine dtype(s), comma-separated: auto | float32 | bfloat16; "
                                                      "each backend runs once per dtype (key <backend>@<dtype>)")
     args = ap.parse_args()
-    from arpo.logging_utils import json_stdout, setup_logging
+    from arpo.runtime.logging_utils import json_stdout, setup_logging
 
     out = json_stdout()
     setup_logging()  # console on stderr

@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
-    from arpo.logging_utils import json_stdout, setup_logging
+    from arpo.runtime.logging_utils import json_stdout, setup_logging
 
     out = json_stdout()
     setup_logging()

@@ -111,7 +111,7 @@ async def _vllm(args: argparse.Namespace, cfg: ARPORolloutConfig) -> dict[str, A
     prompts = [tokenizer.apply_chat_template(list(m), add_generation_prompt=True, tokenize=True)["input_ids"]
                for m in rows]
 
-    from arpo.ray_utils import init_ray
+    from arpo.runtime.ray_utils import init_ray
 
     # every pool stays up for the interleaved repeats: one logical CPU per replica (they compute one pool at a time)
     init_ray({"num_cpus": sum(args.replicas)})
@@ -147,7 +147,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.model and not args.data:
         ap.error("--model needs --data (the synthetic benchmark's parquet: prompts, and its tools beside it)")
-    from arpo.logging_utils import json_stdout, setup_logging
+    from arpo.runtime.logging_utils import json_stdout, setup_logging
 
     out = json_stdout()
     setup_logging()

@@ -170,7 +170,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     from arpo.engine.base import SamplingParams
     from arpo.engine.config import EngineConfig
     from arpo.engine.factory import create_engines
-    from arpo.ray_utils import init_ray
+    from arpo.runtime.ray_utils import init_ray
     from arpo.trainer.worker_group import RayWorkerGroup
     from experiments import git_sha
 
@@ -263,7 +263,7 @@ def main() -> None:
     ap.add_argument("--lora-serving", choices=["adapter", "merged"], default="adapter",
                     help="actor_rollout_ref.rollout.lora_serving, with --lora-rank")
     args = ap.parse_args()
-    from arpo.logging_utils import json_stdout, setup_logging
+    from arpo.runtime.logging_utils import json_stdout, setup_logging
 
     out = json_stdout()
     setup_logging()

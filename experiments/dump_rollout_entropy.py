@@ -104,8 +104,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if bool(args.jobs) == bool(args.model and args.out):
         parser.error("give either --model and --out, or --jobs")
     jobs = json.loads(Path(args.jobs).read_text()) if args.jobs else [{"model": args.model, "out": args.out}]
-    from arpo.tracking import json_safe
-    from arpo.logging_utils import setup_logging
+    from arpo.runtime.tracking import json_safe
+    from arpo.runtime.logging_utils import setup_logging
 
     setup_logging()
     for result in dump_jobs(jobs, args.data, args.split, args.limit, args.n, args.initial, args.backend,

@@ -135,7 +135,7 @@ def validation_by_kind(cell: Path, summary: dict) -> dict[str, dict]:
     import pandas as pd
 
     from arpo.main_arpo import validation_records
-    from arpo.stats import paired_gain
+    from arpo.evaluation.stats import paired_gain
 
     gain = summary["validation_gain"]
     val = pd.read_parquet(cell / "data" / "synthetic" / "val.parquet")

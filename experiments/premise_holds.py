@@ -234,7 +234,7 @@ def run_cells(runs: list[Run], jobs: int, out: Path, level: int, bar=None) -> li
 def main(argv: Sequence[str] | None = None) -> int:
     from tqdm import tqdm
 
-    from arpo.logging_utils import setup_logging
+    from arpo.runtime.logging_utils import setup_logging
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args, extra = parse_args(argv)

@@ -20,8 +20,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from arpo import stats
-from arpo.machine import describe_machine
+from arpo.evaluation import stats
+from arpo.runtime.machine import describe_machine
 from experiments import REPO, repo_relative
 from experiments.ablation_results import FINAL_CORRECTNESS, copy_run
 

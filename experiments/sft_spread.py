@@ -140,7 +140,7 @@ def child(work: Path, name: str, threads: int, dtype: str, steps: int) -> None:
         torch.save(group.full_parameters(), work / f"final_{name}.pt")
     finally:
         group.shutdown()
-    from arpo.machine import machine_info
+    from arpo.runtime.machine import machine_info
 
     (work / f"run_{name}.json").write_text(json.dumps({
         "losses": summary["losses"], "seconds": round(time.perf_counter() - start, 1),
@@ -210,7 +210,7 @@ def main() -> None:
             raise RuntimeError(f"setting {name} failed: {r.stderr[-3000:]}")
         print(f"{name} done", file=sys.stderr, flush=True)
     ref = settings[0][0]
-    from arpo.machine import machine_info
+    from arpo.runtime.machine import machine_info
 
     print(json.dumps({"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
                       "git_sha": git_sha(), "machine": machine_info(), "preset": args.preset, "steps": args.steps,

@@ -13,9 +13,9 @@ import torch
 
 from arpo.analysis import rollout_rows, write_run_plots
 from arpo.batch import DataBatch
-from arpo.console import config_diff, run_header, step_line, validation_line
+from arpo.runtime.console import config_diff, run_header, step_line, validation_line
 from arpo.engine.vllm_worker_ext import RELOAD_LOGGER, ReloadWarningFilter
-from arpo.tracking import Tracking
+from arpo.runtime.tracking import Tracking
 
 REPO = Path(__file__).resolve().parents[1]
 STEP = {"critic/score/mean": 0.41234, "reward/acc/mean": 0.375, "rollout/tool_calls/in_trajectory_mean": 1.953,
@@ -61,14 +61,14 @@ def test_run_header_cuts_long_lists_and_says_where_the_rest_is():
 def test_tracking_console_backend_logs_one_concise_line(tmp_path, caplog):
     tracker = Tracking("p", "e", ["console", "jsonl"], tmp_path)
     tracker.total_steps = 8
-    with caplog.at_level(logging.INFO, logger="arpo.tracking"):
+    with caplog.at_level(logging.INFO, logger="arpo.runtime.tracking"):
         tracker.log({"val-core/all/acc/mean": 0.5}, step=0)
         tracker.log(STEP, step=3)
         # a step that skipped its update (dynamic sampling kept no group) is still a step line
         tracker.log({"train/num_groups_kept": 0.0, "train/num_gen_batches": 3.0, "timing_s/step": 56.0,
                      "training/global_step": 4}, step=4)
     tracker.finish()
-    messages = [r.getMessage() for r in caplog.records if r.name == "arpo.tracking"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "arpo.runtime.tracking"]
     assert messages == ["validation at step 0 | val_acc 0.500", step_line(3, STEP, 8),
                         "step 4/8 | groups kept 0 | gen rounds 3 | 56 s"]
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -136,7 +136,7 @@ def test_worker_output_goes_to_the_run_log_not_the_console(tmp_path):
     """What a Ray worker does at start-up (``setup_worker_logging``): its log records join arpo.log and its raw
     output (vLLM banners, prints, C-level writes) lands in workers.log; nothing reaches the console."""
     code = ("import logging, os, sys\n"
-            "from arpo.logging_utils import setup_worker_logging\n"
+            "from arpo.runtime.logging_utils import setup_worker_logging\n"
             "setup_worker_logging()\n"
             "print('raw print from a worker')\n"
             "os.write(2, b'C-level stderr\\n')\n"

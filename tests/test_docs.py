@@ -31,7 +31,7 @@ def test_site_builds_in_strict_mode_with_generated_pages(tmp_path):
 def test_every_training_config_key_has_a_yaml_comment():
     import importlib
 
-    from arpo.docs_gen import TYPED_SECTIONS, undocumented_keys
+    from arpo.reference.docs_gen import TYPED_SECTIONS, undocumented_keys
 
     for target in TYPED_SECTIONS.values():  # the reference names the classes that validate each section
         module, _, name = target.rpartition(".")
@@ -50,7 +50,7 @@ def _write(path: Path, text: str) -> Path:
 def test_yaml_comments_are_read_inline_continued_and_from_a_block_above(tmp_path):
     """The comment forms of configs/: inline with continuation lines, a block over a run of sibling keys, a
     group file's package; block lists and the defaults list are skipped."""
-    from arpo.docs_gen import collect_config_docs, undocumented_keys
+    from arpo.reference.docs_gen import collect_config_docs, undocumented_keys
 
     _write(tmp_path / "main.yaml", "defaults:\n  - grp: one\n  - _self_\n\ntop:\n"
            "  lr: 1.0    # learning rate\n             #   (continued)\n"
@@ -79,7 +79,7 @@ def test_glossary_covers_the_rollout_and_batch_metrics_of_every_policy(overrides
     import torch
 
     from arpo.config import load_config
-    from arpo.metrics_glossary import unknown_metrics
+    from arpo.reference.metrics_glossary import unknown_metrics
     from arpo.rollout.arpo_rollout import ARPORollout
     from arpo.testing.scripted_engine import ScriptedEngine
     from arpo.trainer.metrics import Timer, compute_data_metrics
@@ -103,16 +103,16 @@ def test_glossary_covers_the_rollout_and_batch_metrics_of_every_policy(overrides
         pass
     names = {*rollout, *compute_data_metrics(batch), *timer.metrics(100)}
     assert len(rollout) > 20
-    assert not unknown_metrics(names), f"add these to arpo/metrics_glossary.py: {unknown_metrics(names)}"
+    assert not unknown_metrics(names), f"add these to arpo/reference/metrics_glossary.py: {unknown_metrics(names)}"
 
 
 @pytest.mark.slow  # one real update of the tiny model in this process (~15 s on 2 busy cores)
 def test_glossary_covers_every_metric_of_a_training_step(tiny_model_dir, synthetic_dir):
     """The trainer's own step (real FSDP2 update on one in-process rank, real rewards and weight push; scripted
     engine): every metric it returns has a glossary entry."""
-    from arpo.metrics_glossary import unknown_metrics
+    from arpo.reference.metrics_glossary import unknown_metrics
     from tests.trainer.train_step_helpers import one_train_step
 
     metrics, _ = one_train_step(tiny_model_dir, synthetic_dir)
     assert "actor/pg_loss" in metrics and "timing_s/step" in metrics and "critic/score/mean" in metrics
-    assert not unknown_metrics(metrics), f"add these to arpo/metrics_glossary.py: {unknown_metrics(metrics)}"
+    assert not unknown_metrics(metrics), f"add these to arpo/reference/metrics_glossary.py: {unknown_metrics(metrics)}"

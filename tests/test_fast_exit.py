@@ -1,4 +1,4 @@
-"""arpo.fast_exit.exit_now: a process ends at once, its exit handlers run, and a live process pool does not hang it
+"""arpo.runtime.fast_exit.exit_now: a process ends at once, its exit handlers run, and a live process pool does not hang it
 (multiprocessing's exit handler joins the pool's workers, which stop only once told to)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ def test_exit_now_with_a_live_process_pool_ends_promptly_and_runs_the_exit_handl
     script = textwrap.dedent(f"""
         import atexit, multiprocessing
         from concurrent.futures import ProcessPoolExecutor
-        from arpo.fast_exit import exit_now
+        from arpo.runtime.fast_exit import exit_now
 
         if __name__ == "__main__":
             pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"))

@@ -1,4 +1,4 @@
-"""GPU placement (arpo/placement.py): the plan's arithmetic, and real placement groups on a Ray cluster of logical
+"""GPU placement (arpo/runtime/placement.py): the plan's arithmetic, and real placement groups on a Ray cluster of logical
 GPUs (no GPU needed): colocated ranks and engine share a GPU, split engines hold their own, a cluster too small is
 one clear error. The trainer end to end on logical GPUs: tests/test_main_arpo.py (the DAPO run on two nodes)."""
 
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from arpo.config import REPO_ROOT
-from arpo.placement import PlacementPlan
+from arpo.runtime.placement import PlacementPlan
 
 
 def plan(**kw) -> PlacementPlan:
@@ -49,8 +49,8 @@ PROBE = r"""
 import json, sys
 import ray
 from ray.util.placement_group import placement_group
-import arpo.placement as pl
-from arpo.placement import GpuPlacement, PlacementPlan
+import arpo.runtime.placement as pl
+from arpo.runtime.placement import GpuPlacement, PlacementPlan
 
 ray.init(num_cpus=8, num_gpus=3, include_dashboard=False, log_to_driver=False)
 
@@ -129,11 +129,11 @@ def _trainer_cfg(*overrides: str):
       "actor_rollout_ref.rollout.free_cache_engine=false"], True, 3, False),  # set values stay
 ])
 def test_auto_replicas_and_sleep_are_resolved_once_by_placement(overrides, gpus, replicas, sleeps, caplog):
-    from arpo.placement import resolve_rollout_auto
+    from arpo.runtime.placement import resolve_rollout_auto
 
     cfg = _trainer_cfg(*overrides)
     assert cfg.actor_rollout_ref.rollout.num_replicas is None or "num_replicas=3" in " ".join(overrides)
-    with caplog.at_level("INFO", logger="arpo.placement"):
+    with caplog.at_level("INFO", logger="arpo.runtime.placement"):
         assert resolve_rollout_auto(cfg, gpus) == {"num_replicas": replicas, "free_cache_engine": sleeps}
     r = cfg.actor_rollout_ref.rollout
     assert (r.num_replicas, r.free_cache_engine) == (replicas, sleeps)  # every later reader sees the numbers
@@ -147,7 +147,7 @@ def test_auto_replicas_and_sleep_are_resolved_once_by_placement(overrides, gpus,
 
 
 def test_unresolved_auto_replicas_follow_the_placement():
-    from arpo.placement import planned_num_replicas
+    from arpo.runtime.placement import planned_num_replicas
 
     cfg = _trainer_cfg("trainer.n_gpus_per_node=4")
     assert PlacementPlan.from_config(cfg, ["actor"]).replicas == 4

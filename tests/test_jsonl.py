@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from arpo.jsonl import json_lines
+from arpo.data.jsonl import json_lines
 
 
 def test_blank_lines_are_skipped_and_numbers_count_every_line():

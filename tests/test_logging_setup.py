@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from arpo.logging_utils import setup_logging
+from arpo.runtime.logging_utils import setup_logging
 
 
 @pytest.mark.parametrize("vllm_configured_first", [False, True])

@@ -1,11 +1,11 @@
-"""Where a run ran: the machine record every summary carries (arpo/machine.py)."""
+"""Where a run ran: the machine record every summary carries (arpo/runtime/machine.py)."""
 
 import json
 
 import pytest
 import torch
 
-from arpo.machine import describe_machine, machine_info
+from arpo.runtime.machine import describe_machine, machine_info
 from arpo.pipeline import final_summary, pipeline_machine
 
 AMX_CPU = """processor\t: 0
@@ -80,7 +80,7 @@ def test_ray_workers_start_with_the_thread_env():
 
     import ray
 
-    from arpo.ray_utils import init_ray
+    from arpo.runtime.ray_utils import init_ray
 
     init_ray({"num_cpus": 4, "object_store_memory": 100 * 1024 * 1024})
     worker_env = ray.get(ray.remote(num_cpus=1)(lambda: os.environ.get("OMP_WAIT_POLICY")).remote())

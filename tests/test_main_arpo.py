@@ -25,7 +25,7 @@ from typing import Iterator
 import pytest
 
 from arpo.config import REPO_ROOT
-from arpo.metrics_glossary import unknown_metrics
+from arpo.reference.metrics_glossary import unknown_metrics
 
 
 def trainer_cmd(*overrides: str) -> list[str]:
@@ -224,7 +224,7 @@ def check_training_run(out: Path, steps: int, trajectories: int, model_type: str
         assert all((key in m) == (step >= first_actor_step) for key in actor_keys), (step, sorted(m))
         assert m["rollout/trajectories"] == trajectories  # every prompt yields exactly M trajectories
     missing = unknown_metrics(k for m in metrics for k in m)
-    assert not missing, f"metrics without an entry in arpo/metrics_glossary.py: {missing}"
+    assert not missing, f"metrics without an entry in arpo/reference/metrics_glossary.py: {missing}"
     probes = [by_step[s]["rollout/weight_sync_probe"] for s in sorted(by_step) if s >= first_actor_step]
     assert all(a != b for a, b in zip(probes, probes[1:])), probes
     assert "val-core/all/reward/mean" in json.loads((out / "summary.json").read_text())["final_validation"]
@@ -242,7 +242,7 @@ def test_dapo_preset_trains_on_informative_groups_of_several_rounds_on_a_joined_
     with two training ranks (trainer.nnodes=2) and two engine replicas, one of each per node: the prompt groups
     are spread over the replicas and every weight push reaches both; the run leaves the cluster running; a cluster
     too small for the config is one clear error. Each node has one logical GPU, so the placement groups of the
-    GPU path hold them (arpo/placement.py, colocated: each replica shares its node's GPU with that node's rank),
+    GPU path hold them (arpo/runtime/placement.py, colocated: each replica shares its node's GPU with that node's rank),
     while everything computes on CPU."""
     out = tmp_path / "dapo"
     data = sft_model_dir.parents[1] / "data" / "synthetic"
@@ -289,7 +289,7 @@ def test_dapo_preset_trains_on_informative_groups_of_several_rounds_on_a_joined_
         socket.create_connection((host, int(port)), timeout=5).close()  # the run left the cluster running
     steps = [m for m in read_metrics(out) if m["step"] > 0]
     missing = unknown_metrics(k for m in steps for k in m)
-    assert not missing, f"metrics without an entry in arpo/metrics_glossary.py: {missing}"
+    assert not missing, f"metrics without an entry in arpo/reference/metrics_glossary.py: {missing}"
     assert [m["step"] for m in steps] == [1]
     for m in steps:
         rounds, kept, dropped = m["train/num_gen_batches"], m["train/num_groups_kept"], m["train/num_groups_dropped"]
@@ -331,7 +331,7 @@ def test_aepo_preset_with_sequence_level_rollout_correction_trains(sft_model_dir
                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env=run_env())
     assert r.returncode == 0, r.stderr[-4000:]
     (m,) = [m for m in read_metrics(out) if m["step"] > 0]
-    assert not (missing := unknown_metrics(m)), f"metrics without an entry in arpo/metrics_glossary.py: {missing}"
+    assert not (missing := unknown_metrics(m)), f"metrics without an entry in arpo/reference/metrics_glossary.py: {missing}"
     assert "timing_s/old_log_prob" in m and m["actor/entropy"] > 0  # the pass AEPO's advantage needs
     assert abs(m["rollout_corr/kl"]) < 1e-3 and 0.9 < m["rollout_corr/rollout_is_mean"] <= 1.0 + 1e-3
     assert 0 < m["perf/packed_token_ratio"] < 1 and m["rollout/branches"] >= 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import ray
 
-from arpo.ray_utils import cluster_nodes, node_strategy, rank_nodes
+from arpo.runtime.ray_utils import cluster_nodes, node_strategy, rank_nodes
 
 NODES = [
     {"NodeID": "b2", "Alive": True, "Resources": {"CPU": 4.0}},

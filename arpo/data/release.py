@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="fetch a repository at another revision, e.g. dongguanting/ARPO-SFT-54K=<commit>")
     parser.add_argument("--verify", action="store_true", help="only check the installed files against the manifest")
     args = parser.parse_args(argv)
-    from arpo.logging_utils import setup_logging
+    from arpo.runtime.logging_utils import setup_logging
 
     setup_logging()
     root = data_root(args.root)

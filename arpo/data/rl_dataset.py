@@ -25,7 +25,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from arpo.jsonl import json_lines
+from arpo.data.jsonl import json_lines
 
 logger = logging.getLogger(__name__)
 

@@ -240,7 +240,7 @@ def generate_from_config(s: Any, out_dir: str | Path | None = None) -> dict[str,
 
 
 def main() -> None:
-    from arpo.cli_help import exit_if_help
+    from arpo.reference.cli_help import exit_if_help
     from arpo.config import load_config  # local import: keeps this module importable without hydra
 
     exit_if_help("synthetic_data", "python -m arpo.data.synthetic", __doc__)

@@ -218,7 +218,7 @@ def executor_backend(tensor_parallel: int) -> str | None:
 
     Left to itself vLLM picks its Ray executor inside a Ray placement group, which places one worker per single-GPU
     bundle and refuses a bundle with several GPUs; here the engine's actor already owns its tensor-parallel GPUs
-    (one bundle of that many, :mod:`arpo.placement`), so its workers belong on them, as child processes.
+    (one bundle of that many, :mod:`arpo.runtime.placement`), so its workers belong on them, as child processes.
     """
     return "mp" if tensor_parallel > 1 else None
 

@@ -25,9 +25,9 @@ def create_engines(cfg: Any, ray_actor: bool | None = None, replicas: int | None
                    placement: Any = None) -> list[GenerationEngine]:
     """:func:`create_engine` for ``replicas`` (default ``actor_rollout_ref.rollout.num_replicas``) replicas,
     started at once, each in its own Ray actor when there are several (in its bundle of ``placement``, an
-    :class:`arpo.placement.GpuPlacement`, on GPUs; an engine in this process uses the GPU outside Ray's count).
-    ``num_replicas: null`` (auto) is the placement's number on GPUs, else 1 (:func:`arpo.placement.auto_num_replicas`;
-    a training run resolves it once at start-up, :func:`arpo.placement.resolve_rollout_auto`)."""
+    :class:`arpo.runtime.placement.GpuPlacement`, on GPUs; an engine in this process uses the GPU outside Ray's count).
+    ``num_replicas: null`` (auto) is the placement's number on GPUs, else 1 (:func:`arpo.runtime.placement.auto_num_replicas`;
+    a training run resolves it once at start-up, :func:`arpo.runtime.placement.resolve_rollout_auto`)."""
     config = cfg if isinstance(cfg, EngineConfig) else EngineConfig.from_cfg(cfg)
     if replicas is None and config.num_replicas is None:
         replicas = placement.plan.replicas if placement is not None else 1
@@ -40,7 +40,7 @@ def create_engines(cfg: Any, ray_actor: bool | None = None, replicas: int | None
                           "(the transformers backend: same interface, slower)")
     if config.ray_actor if ray_actor is None else ray_actor:
         from arpo.engine.ray_engine import launch_engine_actors
-        from arpo.ray_utils import init_ray
+        from arpo.runtime.ray_utils import init_ray
 
         init_ray(None if isinstance(cfg, EngineConfig) else cfg)
         return launch_engine_actors(config, placement)

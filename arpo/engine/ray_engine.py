@@ -16,7 +16,7 @@ import ray
 from arpo.engine.config import EngineConfig, default_device
 from arpo.engine.hf_engine import HFEngine
 from arpo.engine.vllm_engine import VLLMEngine
-from arpo.placement import GpuPlacement
+from arpo.runtime.placement import GpuPlacement
 
 VLLMEngineActor = ray.remote(VLLMEngine)
 HFEngineActor = ray.remote(HFEngine)
@@ -54,11 +54,11 @@ class RayEngineClient:
 
 def launch_engine_actors(config: EngineConfig, placement: GpuPlacement | None = None) -> list[RayEngineClient]:
     """Start ``config.num_replicas`` actors of the configured backend at once (Ray must be initialised:
-    :func:`arpo.ray_utils.init_ray`); return once all are ready, raising an engine's own error if one failed.
-    With a ``placement`` (a cluster with GPUs) each replica runs in its bundle (:mod:`arpo.placement`); else
+    :func:`arpo.runtime.ray_utils.init_ray`); return once all are ready, raising an engine's own error if one failed.
+    With a ``placement`` (a cluster with GPUs) each replica runs in its bundle (:mod:`arpo.runtime.placement`); else
     several replicas go round-robin over the cluster's nodes (most CPUs first; soft: a full node passes its
     replica on)."""
-    from arpo.ray_utils import cluster_nodes, node_strategy
+    from arpo.runtime.ray_utils import cluster_nodes, node_strategy
 
     actor_cls = {"vllm": VLLMEngineActor, "hf": HFEngineActor}[config.name]
     num_gpus = config.tensor_model_parallel_size if ray.cluster_resources().get("GPU", 0) > 0 else 0

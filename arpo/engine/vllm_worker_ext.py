@@ -28,7 +28,7 @@ import torch
 from arpo.engine.config import default_device
 from arpo.engine.vllm_cpu_patches import use_eager_logprob_rank
 from arpo.engine.weights import BucketEntry, WeightBucket
-from arpo.fast_exit import exit_now
+from arpo.runtime.fast_exit import exit_now
 
 # vLLM imports this module in every worker process: an engine core in its own process gets the CPU fix too.
 if default_device() == "cpu":
@@ -36,7 +36,7 @@ if default_device() == "cpu":
 
 # An engine core's interpreter spends over 5 s in its final garbage collection (measured on CPU), past vLLM's
 # 5 s grace after SIGTERM: every shutdown ended in a SIGKILL and waited the full grace. Ending it once the exit
-# handlers registered after this one have run skips that collection (arpo.fast_exit): 5.0 s -> ~1.8 s a shutdown.
+# handlers registered after this one have run skips that collection (arpo.runtime.fast_exit): 5.0 s -> ~1.8 s a shutdown.
 if multiprocessing.current_process().name.startswith("EngineCore"):
     atexit.register(exit_now, 0, run_exit_handlers=False)
 

@@ -46,9 +46,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from arpo.config import ConfigError
     from arpo.entropy_probe import load_model, plot, probe, read_trajectories
-    from arpo.logging_utils import setup_logging
+    from arpo.runtime.logging_utils import setup_logging
     from arpo.protocol import DEFAULT_PROTOCOL, ToolProtocol
-    from arpo.tracking import json_safe
+    from arpo.runtime.tracking import json_safe
 
     setup_logging()
     model, tokenizer = load_model(args.model, args.dtype, args.device) if args.model else (None, None)

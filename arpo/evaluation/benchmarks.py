@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from arpo.jsonl import json_lines
+from arpo.data.jsonl import json_lines
 
 logger = logging.getLogger(__name__)
 

@@ -317,7 +317,7 @@ def eval_replicas(cfg: DictConfig) -> int:
     """How many engine replicas evaluate: ``actor_rollout_ref.rollout.num_replicas``, or when null (auto) one per
     tensor-parallel group of this machine's visible GPUs, as colocated training has (every GPU generates), and
     1 without GPUs (replicas would share the same cores)."""
-    from arpo.placement import auto_num_replicas
+    from arpo.runtime.placement import auto_num_replicas
 
     r = cfg.actor_rollout_ref.rollout
     if r.num_replicas is not None:

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="response tokens per question, tool results included")
     ap.add_argument("--tool-call-limit", type=int, default=4, help="tool calls per question (hard kinds need 3)")
     args = ap.parse_args(argv)
-    from arpo.logging_utils import setup_logging
+    from arpo.runtime.logging_utils import setup_logging
 
     setup_logging()  # logs and engine warnings on stderr; stdout carries only the JSON
     for flag, value in (("--max-response-length", args.max_response_length),

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
-from arpo.jsonl import json_lines
+from arpo.data.jsonl import json_lines
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ def training_table(summaries: dict[str, list[dict[str, float]]], baseline: str |
                    note: str = "") -> str:
     """Markdown: one row per variant, mean ± std over seeds of each column (NaN values, i.e. metrics a run did
     not log, left out), and for tested columns Welch's p-value of the variant against ``baseline``."""
-    from arpo.stats import welch_t_test
+    from arpo.evaluation.stats import welch_t_test
 
     heads = ["Variant", "Seeds"]
     for col in TRAINING_COLUMNS:

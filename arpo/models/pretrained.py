@@ -167,9 +167,9 @@ def prepare_base_model(source: str, out_dir: str | Path, dtype: str = "float32")
 
 
 def main() -> None:
-    from arpo.cli_help import exit_if_help
+    from arpo.reference.cli_help import exit_if_help
     from arpo.config import load_config
-    from arpo.logging_utils import setup_logging
+    from arpo.runtime.logging_utils import setup_logging
 
     exit_if_help("base_model", "python -m arpo.models.pretrained", __doc__)
     cfg = load_config("base_model")

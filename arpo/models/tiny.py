@@ -183,10 +183,10 @@ def build_from_config(t, data_dir: Path) -> Path:
 
 
 def main() -> None:
-    from arpo.cli_help import exit_if_help
+    from arpo.reference.cli_help import exit_if_help
     from arpo.config import ConfigError, load_config
     from arpo.data.synthetic import generate_from_config
-    from arpo.logging_utils import setup_logging
+    from arpo.runtime.logging_utils import setup_logging
 
     exit_if_help("tiny_model", "python -m arpo.models.tiny", __doc__)
     cfg = load_config("tiny_model")

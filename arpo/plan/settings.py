@@ -102,7 +102,7 @@ class PlanSettings:
         world = int(t.nnodes) * int(t.n_gpus_per_node)
         replicas = _get(cfg, f"{r}.num_replicas")
         if replicas is None:  # the run's own rule: one per tensor-parallel group of training GPUs when colocated
-            from arpo.placement import auto_num_replicas
+            from arpo.runtime.placement import auto_num_replicas
 
             replicas = auto_num_replicas(hybrid, world, tp, gpu)
         free_cache = _get(cfg, f"{r}.free_cache_engine")  # null: on when colocated on GPUs, as the run resolves it

@@ -28,6 +28,7 @@ import torch
 
 from arpo.batch import DataBatch
 from arpo.trainer import core_algos
+from arpo.trainer.micro_batches import dummy_micro_batch, mini_batch_indices
 from arpo.trainer.rollout_correction import mismatch_sums, rollout_is_weights
 
 if TYPE_CHECKING:
@@ -42,28 +43,6 @@ METRIC_KEYS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_c
 MISMATCH_MEAN_KEYS = ("rollout_corr/kl", "rollout_corr/k3_kl", "training/rollout_probs_diff_mean",
                       "rollout_corr/rollout_is_mean")
 MISMATCH_MAX_KEYS = ("rollout_corr/ratio_max", "training/rollout_probs_diff_max")
-
-
-def split_rows(n: int, size: int) -> list[slice]:
-    return [slice(i, min(n, i + size)) for i in range(0, n, size)]
-
-
-def micro_batch_order(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Row order that puts rows of similar length in the same micro-batch (longest first).
-
-    Each micro-batch runs only as wide as its longest row (:func:`arpo.trainer.logprobs.left_align`), so
-    grouping by length removes most padding compute. Sums over micro-batches depend on the order only
-    through rounding."""
-    return torch.argsort(attention_mask.sum(dim=1), descending=True, stable=True)
-
-
-def mini_batch_indices(batch: DataBatch, mini_rows: int) -> list[torch.Tensor]:
-    """Row indices of each PPO mini-batch of this rank's share: by ``mini_batch_id`` when the worker group dealt
-    whole trees (shares of uneven size), else consecutive runs of ``mini_rows`` rows."""
-    if "mini_batch_id" in batch.tensors:
-        ids = batch["mini_batch_id"]
-        return [(ids == i).nonzero()[:, 0] for i in torch.unique(ids).tolist()]
-    return [torch.arange(len(batch))[sl] for sl in split_rows(len(batch), mini_rows)]
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -143,7 +122,7 @@ def ppo_update(worker: "ActorWorker", batch: DataBatch, keep_gradients: bool = F
             micros = worker.micro_batches(mb, micro_size, max_tokens)
             for i in range(worker.micro_batch_count(micros)):
                 if i >= len(micros):  # this rank has fewer trees than another: join its collectives
-                    lp, _ = worker.forward(worker.dummy_micro_batch(mb), temperature, False)
+                    lp, _ = worker.forward(dummy_micro_batch(mb), temperature, False)
                     (lp.sum() * 0.0).backward()
                     continue
                 sl = micros[i]

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from arpo.seeding import rng_state, set_rng_state
+from arpo.runtime.seeding import rng_state, set_rng_state
 from arpo.trainer.lora import adapter_state, has_lora, save_worker_adapter
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,8 @@ import torch
 
 from arpo.batch import DataBatch
 from arpo.trainer import core_algos
-from arpo.trainer.actor_update import global_batch_info, mini_batch_indices, split_rows
+from arpo.trainer.actor_update import global_batch_info
+from arpo.trainer.micro_batches import mini_batch_indices, split_rows
 from arpo.trainer.fsdp_worker import ActorWorker
 from arpo.trainer.memory import release_memory
 

@@ -24,18 +24,17 @@ import torch.distributed as dist
 from arpo.batch import DataBatch
 from arpo.engine.weights import (BucketEntry, WeightBucket, bucket_size, pack_bucket, plan_buckets,
                                  transfer_dtype)
-from arpo.trainer.actor_update import METRIC_KEYS, full_tensor, micro_batch_order, ppo_update, split_rows
+from arpo.trainer.actor_update import METRIC_KEYS, full_tensor, ppo_update
 from arpo.trainer.device import cpu_has_native_bf16, device_settings_from_config
-from arpo.trainer.dynamic_batching import pack_by_tokens, row_tokens
 from arpo.trainer.logprobs import compute_logprobs_and_entropy
 from arpo.trainer.lora import (MergedLinear, adapters_disabled, apply_lora, has_lora, lora_engine_tensors,
                               save_worker_adapter)
+from arpo.trainer.micro_batches import dummy_micro_batch, plan_micro_batches
 from arpo.trainer.memory import configure_allocator, memory_stats, release_memory
 from arpo.trainer.optim import build_optimizer
 from arpo.trainer.model_init import materialize_from_rank0, shard_model
 from arpo.trainer.tree_attention import use_tree_attention
-from arpo.trainer.tree_packing import (MAX_PACKED_TOKENS, pack_micro_batch, packed_logprobs_and_entropy,
-                                       tree_micro_batches, unique_token_count)
+from arpo.trainer.tree_packing import pack_micro_batch, packed_logprobs_and_entropy
 from arpo.trainer.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -226,48 +225,15 @@ class ActorWorker:
         return self.tree_packing and "tree_id" in batch.tensors
 
     def micro_batches(self, batch: DataBatch, micro_size: int, max_tokens: int | None = None) -> list[torch.Tensor]:
-        """Row indices of each micro-batch: one tree each when packing trees (pad rows left out; a tree over
-        MAX_PACKED_TOKENS in runs of ``micro_size`` rows; one-row trees, which share nothing, together in runs of
-        ``micro_size`` rows after the trees), else ``micro_size`` rows (of similar length in the fast layout).
-        ``max_tokens`` (dynamic batch size): rows packed up to that many padded tokens instead of ``micro_size``
-        rows (:mod:`arpo.trainer.dynamic_batching`); a tree stays whole up to min(MAX_PACKED_TOKENS, max_tokens)
-        packed tokens, a bigger one and the one-row trees are packed by the budget."""
-        def runs(rows: torch.Tensor) -> list[torch.Tensor]:
-            if max_tokens is not None:
-                return pack_by_tokens(rows, row_tokens(batch["attention_mask"][rows]), max_tokens)
-            return [rows[sl] for sl in split_rows(len(rows), micro_size)]
-
-        if self.packs_trees(batch):
-            cap = MAX_PACKED_TOKENS if max_tokens is None else min(MAX_PACKED_TOKENS, max_tokens)
-            trees = tree_micro_batches(batch)
-            micros = [m for rows in trees if len(rows) > 1
-                      for m in ([rows] if unique_token_count(batch, rows.tolist()) <= cap else runs(rows))]
-            # one forward per lone row would leave a GPU idle; their micro-batch runs padded (pack_micro_batch
-            # declines rows with different prompts)
-            lone = torch.cat([rows for rows in trees if len(rows) == 1] or [torch.zeros(0, dtype=torch.long)])
-            if self.settings.fast_layout:
-                lone = lone[micro_batch_order(batch["attention_mask"][lone])]
-            return micros + runs(lone)
-        order = (micro_batch_order(batch["attention_mask"]) if self.settings.fast_layout
-                 else torch.arange(len(batch)))
-        return runs(order)
+        """Row indices of each micro-batch of this worker's forwards (:func:`plan_micro_batches` with its layout)."""
+        return plan_micro_batches(batch, micro_size, max_tokens, pack_trees=self.packs_trees(batch),
+                                  fast_layout=self.settings.fast_layout)
 
     def micro_batch_count(self, micros: list[torch.Tensor]) -> int:
         """The most micro-batches any rank has: every forward and backward is a collective (FSDP2 gathers and
-        reduces per call), so a rank with fewer trees runs :meth:`dummy_micro_batch` for the rest."""
+        reduces per call), so a rank with fewer trees runs
+        :func:`~arpo.trainer.micro_batches.dummy_micro_batch` for the rest."""
         return int(self.all_reduce_max([len(micros)])[0])
-
-    @staticmethod
-    def dummy_micro_batch(batch: DataBatch) -> DataBatch:
-        """The first row cut to its prompt and first response token: a forward (and a zero-loss backward) that
-        joins the other ranks' collectives and changes nothing."""
-        d = batch.index([0])
-        width = d["responses"].shape[1]
-        attn = d["attention_mask"].clone()
-        attn[0, -width:] = 0
-        attn[0, -width] = 1
-        return DataBatch({**d.tensors, "attention_mask": attn, "response_mask": attn[:, -width:].clone(),
-                          "position_ids": torch.clamp(torch.cumsum(attn, dim=1) - 1, min=0)}, {}, dict(d.meta))
 
     def forward(self, micro: DataBatch, temperature: float, calc_entropy: bool, entropy_grad: bool = True,
                 head_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -313,7 +279,7 @@ class ActorWorker:
         with torch.no_grad(), base:
             for i in range(self.micro_batch_count(micros)):
                 if i >= len(micros):
-                    self.forward(self.dummy_micro_batch(batch), temperature, False)
+                    self.forward(dummy_micro_batch(batch), temperature, False)
                     continue
                 lp, ent = self.forward(batch.index(micros[i]), temperature, calc_entropy)
                 logps[micros[i]] = lp.cpu()

@@ -83,7 +83,7 @@ class PolicyLossConfig(UpdateConfig):
     logprob_chunk_size: int = DEFAULT_CHUNK_SIZE
     rollout_is: str | None = None           # algorithm.rollout_correction.rollout_is
     rollout_is_threshold: float = 2.0
-    use_dynamic_bsz: bool = False           # micro-batches by token budget (dynamic_batching.py), not row count
+    use_dynamic_bsz: bool = False           # micro-batches by token budget (micro_batches.py), not row count
     ppo_max_token_len_per_gpu: int = 16384
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from arpo.batch import DataBatch
-from arpo.placement import GpuPlacement
+from arpo.runtime.placement import GpuPlacement
 from arpo.trainer.actor_config import to_plain, world_size as config_world_size
 from arpo.trainer.memory import allocator_env
 from arpo.trainer.tree_packing import tree_columns, tree_micro_batches, unique_token_count
@@ -277,8 +277,8 @@ class RayWorkerGroup(WorkerGroup):
 
     ``num_cpus`` / ``num_gpus`` per actor default to ``trainer.cpus_per_worker`` and (on GPU) 1. With a
     ``placement`` (a cluster with GPUs) rank r runs in its GPU's bundle, sharing the GPU with rank r of the other
-    groups (:mod:`arpo.placement`). Else, with ``trainer.nnodes`` > 1, the ranks are pinned to nodes,
-    ``trainer.n_gpus_per_node`` on each (:func:`arpo.ray_utils.rank_nodes`); on one node Ray places them.
+    groups (:mod:`arpo.runtime.placement`). Else, with ``trainer.nnodes`` > 1, the ranks are pinned to nodes,
+    ``trainer.n_gpus_per_node`` on each (:func:`arpo.runtime.ray_utils.rank_nodes`); on one node Ray places them.
     """
 
     def __init__(self, config: Any, role: str = "actor", world_size: int | None = None,
@@ -286,7 +286,7 @@ class RayWorkerGroup(WorkerGroup):
                  placement: GpuPlacement | None = None):
         import ray
 
-        from arpo.ray_utils import init_ray, node_strategy, rank_nodes
+        from arpo.runtime.ray_utils import init_ray, node_strategy, rank_nodes
 
         self.config = to_plain(config)
         self.cfg = WorkerConfig.from_config(self.config, role)

@@ -77,7 +77,7 @@ def test_build_engine_accepts_instances_factories_and_paths(tokenizer):
 @pytest.fixture(scope="module")
 def ray_session():
     ray = pytest.importorskip("ray")
-    from arpo.ray_utils import init_ray
+    from arpo.runtime.ray_utils import init_ray
 
     # The project's one way to start Ray: private, on loopback, retried when a busy machine misses the deadline.
     init_ray({"ray_init": {"num_cpus": 2}})

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 def ray_session():
     import ray
 
-    from arpo.ray_utils import init_ray
+    from arpo.runtime.ray_utils import init_ray
 
     # Default temp_dir ($TMPDIR/ray): Ray's unix socket paths must stay short, pytest's tmp paths are too long.
     init_ray({"ray_init": {"num_cpus": 2}})

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from arpo.trainer.dynamic_batching import pack_by_tokens
+from arpo.trainer.micro_batches import pack_by_tokens
 from tests.trainer.workers_helpers import (add_training_columns, base_config, max_abs_diff, random_batch,  # noqa: F401
                                            ray_cluster, ray_update, reference_update, small_model, tree_batch)
 

@@ -37,7 +37,7 @@ class StateDictGroup:
 def ray_session():
     import ray
 
-    from arpo.ray_utils import init_ray
+    from arpo.runtime.ray_utils import init_ray
 
     init_ray({"ray_init": {"num_cpus": 1}})
     yield

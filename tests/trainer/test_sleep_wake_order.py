@@ -34,7 +34,7 @@ class RecordingEngine(ScriptedEngine):
 
 @pytest.mark.slow  # one real update of the tiny model in this process: ~15 s on 2 busy cores
 def test_train_step_sleeps_every_replica_and_wakes_it_before_the_weights(tiny_model_dir, synthetic_dir):
-    from arpo.placement import resolve_rollout_auto
+    from arpo.runtime.placement import resolve_rollout_auto
     from tests.trainer.train_step_helpers import one_train_step
 
     def as_on_gpus(cfg) -> None:  # free_cache_engine null resolves on, as colocated on GPUs

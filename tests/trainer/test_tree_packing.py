@@ -245,6 +245,7 @@ def test_step_metrics_report_the_packed_token_ratio():
 
 def test_a_micro_batch_is_one_tree_and_a_tree_over_the_token_cap_runs_in_runs_of_rows(monkeypatch):
     import arpo.trainer.fsdp_worker as fsdp_worker
+    import arpo.trainer.micro_batches as micro_batches
 
     cfg = {"trainer": {"device": "cpu"}, "actor_rollout_ref": {"model": {"dtype": "float32", "tree_packing": True}}}
     worker = fsdp_worker.ActorWorker(cfg)
@@ -253,7 +254,7 @@ def test_a_micro_batch_is_one_tree_and_a_tree_over_the_token_cap_runs_in_runs_of
     batch.tensors["is_pad"][-1] = 1
     micros = worker.micro_batches(batch, micro_size=3)
     assert [m.tolist() for m in micros] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]  # the pad row runs nowhere
-    monkeypatch.setattr(fsdp_worker, "MAX_PACKED_TOKENS", 10)
+    monkeypatch.setattr(micro_batches, "MAX_PACKED_TOKENS", 10)
     assert [m.tolist() for m in worker.micro_batches(batch, micro_size=3)] == [[0, 1, 2], [3], [4, 5, 6], [7],
                                                                                [8, 9, 10]]
     worker.tree_packing = False

@@ -8,7 +8,7 @@ import torch
 
 from arpo.config import ConfigError
 from arpo.trainer.actor_config import needs_old_log_prob_pass, validate_actor_config
-from arpo.trainer.actor_update import micro_batch_order
+from arpo.trainer.micro_batches import micro_batch_order
 from arpo.trainer.device import device_settings
 
 

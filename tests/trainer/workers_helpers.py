@@ -32,7 +32,7 @@ def small_model(synthetic_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def ray_cluster() -> None:
     # Left running for the rest of the session (starting Ray costs 10-40 s on 2 busy cores).
-    from arpo.ray_utils import init_ray
+    from arpo.runtime.ray_utils import init_ray
 
     init_ray({"num_cpus": 4, "object_store_memory": 100 * 1024 * 1024})
 

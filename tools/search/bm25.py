@@ -24,7 +24,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from arpo.jsonl import json_lines
+from arpo.data.jsonl import json_lines
 from tools.search.base import SearchBackend, SearchBackendError, SearchHit, resolve_path
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The one registry of metric names a training run logs, and what each means.
 
-The docs' metrics glossary is generated from it (:mod:`arpo.docs_gen`), and the end-to-end training tests check
+The docs' metrics glossary is generated from it (:mod:`arpo.reference.docs_gen`), and the end-to-end training tests check
 every name a run writes to ``metrics.jsonl`` against it (:func:`unknown_metrics`), so a new metric without an
 entry here fails the suite instead of reaching users unexplained. Names follow verl's where verl has one.
 A name may be a pattern: ``*`` matches any run of characters (``/`` included), so ``critic/score/*`` covers

@@ -15,7 +15,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from arpo.config import REPO_ROOT
+
 #: /proc/cpuinfo flags that decide which kernels run (bf16/fp32 matmuls), in the order they matter
 ISA_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2", "fma")
 #: environment that overrides kernel choice (oneDNN's ISA cap, ATen's vector width, MKL's code path) or threading
@@ -27,7 +28,7 @@ def git_sha() -> str:
     """HEAD of this checkout, with ``-dirty`` when tracked files differ from it; ``unknown`` outside git."""
     def git(*args: str) -> str:
         try:
-            r = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
+            r = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
         except (OSError, subprocess.TimeoutExpired):
             return ""
         return r.stdout.strip() if r.returncode == 0 else ""

@@ -2,7 +2,7 @@
 GPUs of its own.
 
 One placement group per training node (``trainer.nnodes``), one bundle per GPU (``trainer.n_gpus_per_node``), pinned
-to the node :func:`arpo.ray_utils.rank_nodes` chose for those ranks. Rank r of every worker group (actor, reference,
+to the node :func:`arpo.runtime.ray_utils.rank_nodes` chose for those ranks. Rank r of every worker group (actor, reference,
 critic) runs in bundle r with a share of its GPU, as verl colocates them.
 
 * ``actor_rollout_ref.hybrid_engine: true`` (verl's key and default; *colocated*): engine replica i runs in bundle

@@ -2,7 +2,7 @@
 
 Metric names follow verl (``actor/pg_loss``, ``critic/score/mean`` …) so plots and notebooks written for verl
 read our logs unchanged. The JSONL file is the source of truth for notebooks and tables; wandb is optional; the
-console gets one concise line per step (:func:`arpo.console.step_line`).
+console gets one concise line per step (:func:`arpo.runtime.console.step_line`).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Tracking:
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in clean.items() if v is not None}, step=step)
         if "console" in self.backends:
-            from arpo.console import step_line, validation_line
+            from arpo.runtime.console import step_line, validation_line
 
             trained = "training/global_step" in clean  # the fit loop's steps (validation-only logs lack it)
             logger.info(step_line(step, clean, self.total_steps) if trained else validation_line(step, clean))

@@ -11,14 +11,12 @@ import fcntl
 import logging
 import os
 import tempfile
-from pathlib import Path
 from typing import Any
 
 from arpo import THREAD_ENV
+from arpo.config import REPO_ROOT
 
 logger = logging.getLogger(__name__)
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 #: 2 GiB: a weight push holds two of its buckets in it at a time (512 MiB each by default, or the largest tensor),
 #: and an object too big for it spills to disk; Ray's default (30% of RAM) is far too much on a shared laptop. The memory
@@ -67,7 +65,7 @@ def init_ray(cfg: Any = None) -> None:
     address = section.get("address")
     runtime_env, log_to_driver = _worker_logging()
     if not log_to_driver:  # Ray's own console handler (installed at import) would print around our filter
-        from arpo.logging_utils import adopt_library_logger
+        from arpo.runtime.logging_utils import adopt_library_logger
 
         adopt_library_logger("ray")
     # Workers must import this checkout's code, not whatever `arpo` the venv's editable install points at; on a
@@ -124,13 +122,13 @@ def _worker_logging() -> tuple[dict[str, Any], bool]:
     """The job's runtime env for workers' logging, and whether Ray forwards workers' output to this console:
     once the driver logs to a run folder, workers write there (``setup_worker_logging``) and nothing is forwarded
     unless engine logs are shown live."""
-    from arpo.logging_utils import ENGINE_LOGS_ENV, LOG_DIR_ENV, engine_logs_live
+    from arpo.runtime.logging_utils import ENGINE_LOGS_ENV, LOG_DIR_ENV, engine_logs_live
 
     log_dir = os.environ.get(LOG_DIR_ENV)
     if not log_dir or engine_logs_live():
         return {"env_vars": {}}, True
     env = {LOG_DIR_ENV: log_dir, ENGINE_LOGS_ENV: os.environ.get(ENGINE_LOGS_ENV, "file")}
-    return {"env_vars": env, "worker_process_setup_hook": "arpo.logging_utils.setup_worker_logging"}, False
+    return {"env_vars": env, "worker_process_setup_hook": "arpo.runtime.logging_utils.setup_worker_logging"}, False
 
 
 def stop_ray() -> None:

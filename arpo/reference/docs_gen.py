@@ -3,8 +3,8 @@ metrics glossary.
 
 The configuration reference is every key of the composed training config (``load_config("arpo_trainer")``), its
 default, and the comment written beside it in ``configs/**/*.yaml`` (``key: value  # comment`` lines, their
-continuation lines, or a comment block right above the key). The glossary is :mod:`arpo.metrics_glossary`.
-``docs/hooks.py`` adds both pages to every ``mkdocs build``; ``python -m arpo.docs_gen --out DIR`` writes them as
+continuation lines, or a comment block right above the key). The glossary is :mod:`arpo.reference.metrics_glossary`.
+``docs/hooks.py`` adds both pages to every ``mkdocs build``; ``python -m arpo.reference.docs_gen --out DIR`` writes them as
 files. ``tests/test_docs.py`` fails on a composed key without a comment, naming the key and where to add one.
 """
 
@@ -241,7 +241,7 @@ def configuration_page(cfg: Any | None = None, docs: ConfigDocs | None = None) -
         "",
         "Every key of the training config (`python -m arpo.main_arpo`, composed from `configs/arpo_trainer.yaml` "
         "and its groups), with its default and the comment beside it in the YAML. Generated at build time from "
-        "`configs/**/*.yaml` by `arpo/docs_gen.py`; override any key on the command line "
+        "`configs/**/*.yaml` by `arpo/reference/docs_gen.py`; override any key on the command line "
         "(`python -m arpo.main_arpo actor_rollout_ref.rollout.n=16`), or pick a preset (`preset=<name>`, "
         "`configs/preset/`) or a group option (`tools=default`, `synthetic=hard`).",
         "",
@@ -274,13 +274,13 @@ def configuration_page(cfg: Any | None = None, docs: ConfigDocs | None = None) -
 
 def metrics_page() -> str:
     """Markdown of the metrics glossary."""
-    from arpo.metrics_glossary import GLOSSARY
+    from arpo.reference.metrics_glossary import GLOSSARY
 
     lines = [
         "# Metrics glossary",
         "",
         "Every metric a training run logs (`<run>/logs/metrics.jsonl`, wandb, the console's step line), under "
-        "verl's names where verl has one. Generated from `arpo/metrics_glossary.py`, the one registry of metric "
+        "verl's names where verl has one. Generated from `arpo/reference/metrics_glossary.py`, the one registry of metric "
         "names; the end-to-end training tests fail when a run logs a name it lacks. `*` stands for any run of "
         "characters (`critic/score/*`: `critic/score/mean`, `/max`, `/min`).",
         "",
@@ -299,7 +299,7 @@ GENERATED_PAGES = {"configuration.md": configuration_page, "metrics.md": metrics
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m arpo.docs_gen", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m arpo.reference.docs_gen", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "site-generated",
                         help="folder to write configuration.md and metrics.md into")
     parser.add_argument("--check", action="store_true",
