@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 from arpo.batch import DataBatch
 from arpo.trainer.micro_batches import dummy_micro_batch, mini_batch_indices, row_tokens
 from arpo.trainer.tree_packing import pack_micro_batch
