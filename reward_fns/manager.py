@@ -1,9 +1,11 @@
 """Score a batch of responses in parallel, and place the scores into verl's token-level reward tensor.
 
-Parallelism: ``executor="process"`` (default) runs rewards in a persistent pool of worker processes —
+Parallelism: ``executor="process"`` runs rewards in a persistent pool of worker processes —
 sympy and math-verify hold the GIL, so threads do not speed them up, and math-verify's time limits need
 a main thread; ``"thread"`` suits light rewards (time limits are then off); ``"serial"`` (or
-``num_workers <= 1``) runs in the calling process. The compute_score function must pickle for the
+``num_workers <= 1``) runs in the calling process. ``"auto"`` (default) decides per batch: serial when every
+row routes to a light family of the registry (:data:`~reward_fns.registry.LIGHT_FAMILIES`: string and number
+checks, microseconds a row, where starting the pool's spawned processes costs seconds), else the process pool. The compute_score function must pickle for the
 process pool: registry snapshots and :class:`~reward_fns.registry.FileRewardFn` do, lambdas do not.
 
 **A reward function that raises** scores ``error_score`` (default 0.0) for that row, its message goes
@@ -32,7 +34,7 @@ import numpy as np
 from tqdm import tqdm
 
 from reward_fns.overlong import OverlongBuffer
-from reward_fns.registry import RewardFn, RewardRegistry, build_compute_score, config_value
+from reward_fns.registry import LIGHT_FAMILIES, RewardFn, RewardRegistry, build_compute_score, config_value
 
 if TYPE_CHECKING:  # torch is imported lazily: reward worker processes never need it
     import torch
@@ -42,7 +44,7 @@ logger = logging.getLogger(__name__)
 #: One row to score: (data_source, solution_str, ground_truth, extra_info).
 RewardItem = tuple[str, str, Any, "dict[str, Any] | None"]
 
-EXECUTORS = ("process", "thread", "serial")
+EXECUTORS = ("auto", "process", "thread", "serial")
 POSITIONS = ("last_valid", "last_model_token")
 _MAX_LOGGED_ERRORS = 5
 
@@ -110,7 +112,7 @@ class RewardManager:
         self,
         compute_score: RewardFn | None = None,
         num_workers: int = 4,
-        executor: str = "process",
+        executor: str = "auto",
         error_score: float = 0.0,
         mp_start_method: str = "spawn",
         show_progress: bool = False,
@@ -145,7 +147,7 @@ class RewardManager:
             return default if value is None else value
 
         return cls(build_compute_score(config), num_workers=int(opt("num_workers", 4)),
-                   executor=str(opt("executor", "process")), error_score=float(opt("error_score", 0.0)),
+                   executor=str(opt("executor", "auto")), error_score=float(opt("error_score", 0.0)),
                    mp_start_method=str(opt("mp_start_method", "spawn")),
                    show_progress=bool(opt("show_progress", False)), position=str(opt("position", "last_valid")),
                    overlong=OverlongBuffer.from_config(config_value(options, "overlong_buffer"),
@@ -153,7 +155,7 @@ class RewardManager:
 
     def _get_pool(self) -> Executor:
         if self._pool is None:
-            if self.executor_kind == "process":
+            if self.executor_kind in ("process", "auto"):
                 ctx = multiprocessing.get_context(self.mp_start_method)
                 self._pool = ProcessPoolExecutor(self.num_workers, mp_context=ctx)
             else:
@@ -174,7 +176,7 @@ class RewardManager:
             # an unrouted data_source is a configuration error: fail the batch, don't score it 0 silently
             for source in {str(item[0]) for item in items}:
                 self.compute_score.lookup(source)
-        if self.executor_kind == "serial" or len(items) <= 1:
+        if self._executor_for(items) == "serial" or len(items) <= 1:
             rows = [score_one(self.compute_score, item, self.error_score)
                     for item in tqdm(items, desc="rewards", disable=not self.show_progress)]
         else:
@@ -182,6 +184,15 @@ class RewardManager:
         data_sources = [str(item[0]) for item in items]
         self._log_errors(rows, data_sources)
         return RewardBatchResult([row["score"] for row in rows], rows, aggregate_diagnostics(rows, data_sources))
+
+    def _executor_for(self, items: Sequence[RewardItem]) -> str:
+        """The executor that scores ``items``: ``auto`` resolved by the families their data sources route to."""
+        if self.executor_kind != "auto":
+            return self.executor_kind
+        registry = self.compute_score if isinstance(self.compute_score, RewardRegistry) else None
+        if registry is not None and all(registry.lookup(str(item[0])).family in LIGHT_FAMILIES for item in items):
+            return "serial"
+        return "process"
 
     def _score_parallel(self, items: list[RewardItem]) -> list[dict[str, Any]]:
         # a few chunks per worker: balances uneven rows without paying IPC per row

@@ -51,6 +51,11 @@ QA_SOURCES = ("hotpotqa", "2wiki", "2wikimultihopqa", "musique", "bamboogle", "n
               "hle", "webwalker", "xbench", "simpleqa")
 
 
+#: families whose rewards are string and number checks (microseconds a row): ``reward.executor=auto`` scores
+#: batches of only these in the calling process instead of starting a pool of worker processes
+LIGHT_FAMILIES = frozenset({"synthetic", "qa", "deep_research"})
+
+
 @dataclass
 class RewardEntry:
     """A reward function (``"module:function"`` or a callable), its family and fixed keyword arguments."""

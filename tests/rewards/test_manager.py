@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import textwrap
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -94,6 +95,19 @@ def test_bad_options_and_items_are_rejected():
         RewardManager(executor="serial").score([("hotpotqa", BOTH, "x")])
 
 
+def test_auto_scores_light_families_in_process_and_math_in_the_pool():
+    light = [("synthetic/python", respond(answer="12"), "12", None), ("hotpotqa", BOTH, "x", None),
+             ("DR_grpo_mix", BOTH, "x", None)]
+    with RewardManager(build_compute_score(None), num_workers=2) as auto, \
+            RewardManager(build_compute_score(None), num_workers=2, executor="process") as pool:
+        assert auto.executor_kind == "auto"
+        assert auto.score(light).rows == pool.score(light).rows  # the same verdicts, no worker process
+        assert auto._pool is None and pool._pool is not None
+        mixed = light + [ITEMS[2]]  # one math row: sympy / math-verify, whose time limits need the pool
+        assert auto.score(mixed).scores == pool.score(mixed).scores
+        assert isinstance(auto._pool, ProcessPoolExecutor)
+
+
 def test_from_config_reads_the_reward_section(tmp_path):
     manager = RewardManager.from_config({"reward": {"num_workers": 1, "math_mode": "f1", "error_score": -0.5,
                                                     "position": "last_model_token"}})
@@ -113,7 +127,7 @@ def test_from_config_gives_the_rewards_the_run_s_tool_tags():
     omegaconf = pytest.importorskip("omegaconf")
     reward = omegaconf.OmegaConf.load(REPO_ROOT / "configs" / "reward.yaml")
     tools = omegaconf.OmegaConf.load(REPO_ROOT / "examples" / "unit_converter_tools.yaml")
-    reward.reward.num_workers = 2
+    reward.reward.num_workers, reward.reward.executor = 2, "process"
     with RewardManager.from_config(omegaconf.OmegaConf.merge(reward, tools)) as manager:
         assert manager.executor_kind == "process"
         result = manager.score(CONVERT_ITEMS)
