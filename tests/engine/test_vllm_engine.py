@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import shutil
 
@@ -266,3 +267,48 @@ def test_sleep_wake_up_is_a_no_op_on_cpu(run, engine, taught_model_dir):
     run(engine.wake_up())
     out = run(engine.generate(ids, SamplingParams(temperature=0, max_tokens=40, stop=STOPS), "awake"))
     assert out.stop_reason == "</search>"
+
+
+def test_probe_topk_entropy_equals_the_vllm_rollouts(run, engine, taught_model_dir, tiny_model_dir):
+    """The entropy probe (``python -m arpo.entropy_probe``) re-scores trajectories teacher-forced with HF; its top-k
+    entropy must be the one the ARPO rollout recorded from vLLM's logprobs, token for token. On this module's
+    engine (one vLLM start fewer in the suite): last in the module, after the updates, so it first checks that the
+    engine serves the taught weights the HF side loads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from arpo.entropy_probe.scoring import score_trajectories
+    from arpo.entropy_probe.trajectories import Trajectory
+    from arpo.rollout.arpo_rollout import ARPORollout
+    from tests.rollout.fake_tools import FakePython, FakeSearch
+
+    probe_ids = encode(taught_model_dir, "the river is in the city of")
+    greedy = run(engine.generate(probe_ids, SamplingParams(temperature=0, max_tokens=8, logprobs=3), "taught?"))
+    assert max_logprob_error(greedy, reference_logprobs(taught_model_dir, probe_ids, greedy.token_ids)) < LOGPROB_ATOL
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))  # the taught vocabulary, with a chat template
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             tokenize=True)["input_ids"] for q in ("Who founded Vel?", "What is 2+3?")]
+    gen = ARPORollout(engine, tokenizer, {"n": 2, "initial_rollouts": 2, "sampling.max_response_length": 48,
+                                          "return_entropy": True, "seed": 1}, tools=[FakeSearch(), FakePython()])
+    try:
+        batch = run(gen.agenerate(prompts, seed=5))
+    finally:
+        gen.close()
+    p_len = batch["prompts"].shape[1]
+    trajs, recorded = [], []
+    for i in range(len(batch)):
+        prompt = [t for t, m in zip(batch["prompts"][i].tolist(), batch["attention_mask"][i, :p_len].tolist()) if m]
+        length = int(batch["attention_mask"][i, p_len:].sum())
+        response = batch["responses"][i, :length].tolist()
+        mask = [False] * len(prompt) + [bool(m) for m in batch["response_mask"][i, :length].tolist()]
+        trajs.append(Trajectory(f"r{i}", mask, [], ids=prompt + response))
+        recorded.append([math.nan] * len(prompt) + list(batch["token_entropy"][i][:length]))
+    model = AutoModelForCausalLM.from_pretrained(str(taught_model_dir), dtype=REFERENCE_DTYPE).eval()
+    scores = score_trajectories(model, trajs, vocab_size=len(tokenizer), topk=10, show_progress=False)
+    compared = 0
+    for traj, s, rec in zip(trajs, scores, recorded):
+        for t in s.topk_logprobs:
+            if not math.isnan(rec[t]):
+                assert s.topk[t] == pytest.approx(rec[t], abs=1e-3), (traj.name, t)
+                compared += 1
+    assert compared >= 50
