@@ -27,9 +27,12 @@ from typing import Any
 def measure_protocol_quality(model_dir: str | Path, data_dir: str | Path, *, split: str = "test",
                              temperature: float = 1.0, seed: int = 0, max_response_length: int = 400,
                              tool_call_limit: int = 4, max_questions: int | None = None,
-                             samples_per_kind: int = 0) -> dict[str, Any]:
+                             samples_per_kind: int = 0, engine: Any = None,
+                             loop: asyncio.AbstractEventLoop | None = None) -> dict[str, Any]:
     """Sample each question of ``<data_dir>/<split>.parquet`` once with vLLM and the benchmark's tools; return
-    format rate and accuracy per ``ability`` (the question kind) and overall."""
+    format rate and accuracy per ``ability`` (the question kind) and overall. ``engine`` (an engine already
+    serving ``model_dir``, with the ``loop`` it is bound to) is sampled on and left running, so callers that hold
+    one do not start a second."""
     import pandas as pd
     from transformers import AutoTokenizer
 
@@ -40,6 +43,8 @@ def measure_protocol_quality(model_dir: str | Path, data_dir: str | Path, *, spl
     from reward_fns import default_compute_score
     from tools.registry import load_tools
 
+    if engine is not None and loop is None:
+        raise ValueError("measure_protocol_quality: an engine given needs the event loop it serves on (loop=)")
     model_dir = require_path(str(model_dir), "--model", "give an HF checkpoint directory", kind="model directory")
     data_dir = Path(data_dir)
     data_file = require_path(str(data_dir / f"{split}.parquet"), "--data/--split",
@@ -49,7 +54,9 @@ def measure_protocol_quality(model_dir: str | Path, data_dir: str | Path, *, spl
         df = df.iloc[:max_questions]
     cfg = load_config("sft", [f"synthetic.out_dir={data_dir}"])
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    engine = VLLMEngine(EngineConfig(model_path=str(model_dir), max_model_len=1024))
+    own_engine = engine is None
+    if own_engine:
+        engine = VLLMEngine(EngineConfig(model_path=str(model_dir), max_model_len=1024))
     tools = load_tools(cfg.tools)
     rollout = ARPORollout(engine, tok, {"mode": "single", "n": 1, "initial_rollouts": 1, "seed": seed,
                                         "sampling": {"max_response_length": max_response_length,
@@ -63,14 +70,16 @@ def measure_protocol_quality(model_dir: str | Path, data_dir: str | Path, *, spl
         try:
             return await rollout.agenerate(prompts)
         finally:
-            engine.shutdown()
+            if own_engine:
+                engine.shutdown()
 
     try:
-        batch = asyncio.run(sample())
+        batch = asyncio.run(sample()) if loop is None else loop.run_until_complete(sample())
     finally:
         rollout.close()
         tools.close()
-        engine.shutdown()
+        if own_engine:
+            engine.shutdown()
 
     per_kind: dict[str, list[tuple[bool, bool]]] = {}
     samples: dict[str, list[dict[str, Any]]] = {}

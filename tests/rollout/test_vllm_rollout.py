@@ -121,3 +121,27 @@ def test_successor_policies_on_vllm_with_real_tools(real_stack, policy):
         assert m["rollout/branch_points"] > 0 and all(r["kind"] in ("initial", "branch", "fill") for r in rs)
         # pre-monitoring: a probe per prompt, then N = int(4·σ(0.5·ΔH)) + 1 roots (2 or 3 for |ΔH| <= 1)
         assert m["rollout/tokens/monitor"] > 0 and 2 <= m["rollout/aepo/initial_rollouts_mean"] <= 3
+
+
+#: the cold-start SFT's acceptance (arpo.evaluation.protocol_quality): it follows the protocol, and leaves RL room
+MIN_FORMAT_RATE = 0.85
+MIN_ACCURACY = {"search": 0.0, "python": 0.0, "both": 0.0}
+
+
+def test_sft_model_follows_the_protocol_but_leaves_headroom(real_stack, sft_model_dir):
+    """On this module's engine (the same EngineConfig measure_protocol_quality starts: one vLLM start fewer)."""
+    import json
+
+    from arpo.evaluation.protocol_quality import measure_protocol_quality
+
+    engine, _, _, _, loop = real_stack
+    data_dir = sft_model_dir.parents[1] / "data" / "synthetic"
+    result = measure_protocol_quality(sft_model_dir, data_dir, temperature=1.0, seed=0, engine=engine, loop=loop)
+    summary = result["per_kind"]
+    print(json.dumps(summary))
+    assert set(summary) == {"search", "python", "both"}
+    assert result["overall"]["n"] == len(pd.read_parquet(data_dir / "test.parquet"))
+    assert result["overall"]["format"] >= MIN_FORMAT_RATE, summary
+    for kind, s in summary.items():
+        assert s["acc"] >= MIN_ACCURACY[kind], summary
+        assert s["acc"] < 0.95, f"SFT should leave RL headroom: {summary}"
