@@ -90,6 +90,19 @@ def smollm2_truncated_dir(smollm2_base_dir, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One private Ray cluster per pytest worker, started by its first user and left running: every in-process Ray
+    test shares it (a start costs 10-40 s on 2 busy cores). Nothing may shut it down; tests kill their actors."""
+    import ray
+
+    from arpo.runtime.ray_utils import init_ray
+
+    # Default temp_dir ($TMPDIR/ray): Ray's unix socket paths must stay short, pytest's tmp paths are too long.
+    init_ray({"num_cpus": 4, "object_store_memory": 100 * 1024 * 1024})
+    return ray
+
+
 def _cached_model(name: str) -> Path:
     return prebuild.build(name)
 

@@ -75,13 +75,9 @@ def test_arpo_processes_wait_passively_in_openmp_unless_the_user_exported_a_poli
 
 
 @pytest.mark.slow
-def test_ray_workers_start_with_the_thread_env():
+def test_ray_workers_start_with_the_thread_env(ray_cluster):
     import os
 
-    import ray
-
-    from arpo.runtime.ray_utils import init_ray
-
-    init_ray({"num_cpus": 4, "object_store_memory": 100 * 1024 * 1024})
+    ray = ray_cluster
     worker_env = ray.get(ray.remote(num_cpus=1)(lambda: os.environ.get("OMP_WAIT_POLICY")).remote())
     assert worker_env == os.environ["OMP_WAIT_POLICY"] == "PASSIVE"

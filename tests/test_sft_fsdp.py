@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arpo.config import load_config
 from arpo.data.sft_dataset import CallTargets, iter_trajectory_examples, load_trajectories
-from tests.trainer.workers_helpers import one_process_group, ray_cluster  # noqa: F401  (fixtures)
+from tests.trainer.workers_helpers import one_process_group  # noqa: F401  (a fixture)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sft"
 MESSAGES = FIXTURES / "messages.jsonl"

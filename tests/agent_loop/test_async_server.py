@@ -74,23 +74,12 @@ def test_build_engine_accepts_instances_factories_and_paths(tokenizer):
         build_engine("nodots")
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    from arpo.runtime.ray_utils import init_ray
-
-    # The project's one way to start Ray: private, on loopback, retried when a busy machine misses the deadline.
-    init_ray({"ray_init": {"num_cpus": 2}})
-    yield ray
-    ray.shutdown()
-
-
 @pytest.mark.slow
-def test_ray_actors_serve_tokens_and_chat_completions(ray_session, tokenizer_dir, tokenizer):
+def test_ray_actors_serve_tokens_and_chat_completions(ray_cluster, tokenizer_dir, tokenizer):
     import openai
     from arpo.agent_loop.async_server import launch_ray_servers
 
-    ray = ray_session
+    ray = ray_cluster
     handles = launch_ray_servers(2, "arpo.testing.scripted_engine:ScriptedEngine",
                                  {"tokenizer": tokenizer_dir, "replies": ["from the actor"]},
                                  tokenizer=tokenizer_dir, model_name="tiny", num_cpus=0)

@@ -18,19 +18,7 @@ from tests.engine.helpers import LESSONS, encode  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    from arpo.runtime.ray_utils import init_ray
-
-    # Default temp_dir ($TMPDIR/ray): Ray's unix socket paths must stay short, pytest's tmp paths are too long.
-    init_ray({"ray_init": {"num_cpus": 2}})
-    yield ray
-    ray.shutdown()
-
-
-def test_vllm_engine_actor_generates_and_reloads(run, ray_session, tiny_model_dir, taught_model_dir, tmp_path):
+def test_vllm_engine_actor_generates_and_reloads(run, ray_cluster, tiny_model_dir, taught_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     cfg = {"actor_rollout_ref": {"model": {"path": str(tiny_model_dir)},
@@ -59,13 +47,13 @@ def test_vllm_engine_actor_generates_and_reloads(run, ray_session, tiny_model_di
         run(client.wake_up())
         assert run(client.get_startup_seconds()) > 0
         # Ray would give the actor 1 thread (its CPU share); generation gets every core instead.
-        threads = ray_session.get(client.handle.__ray_call__.remote(lambda self: __import__("torch").get_num_threads()))
+        threads = ray_cluster.get(client.handle.__ray_call__.remote(lambda self: __import__("torch").get_num_threads()))
         assert threads == len(os.sched_getaffinity(0))
     finally:
         client.kill()
 
 
-def test_weight_sync_benchmark_streams_buckets_into_an_engine_actor(run, ray_session, tiny_model_dir):
+def test_weight_sync_benchmark_streams_buckets_into_an_engine_actor(run, ray_cluster, tiny_model_dir):
     # experiments/bench_weight_sync.py in this module's Ray session (a process of its own would start Ray again)
     import argparse
 
@@ -77,10 +65,10 @@ def test_weight_sync_benchmark_streams_buckets_into_an_engine_actor(run, ray_ses
     assert result["probes_all_differ"] is True  # the engine took the new weights every time
     assert result["buckets"] > 1 and result["bytes_per_engine"] > 0 and result["seconds"] > 0
     assert result["engine_files_bytes"] == 0  # streamed: nothing written to /dev/shm
-    assert ray_session.is_initialized()
+    assert ray_cluster.is_initialized()
 
 
-def test_lora_adapter_reaches_a_vllm_engine_actor(run, ray_session, tiny_model_dir):
+def test_lora_adapter_reaches_a_vllm_engine_actor(run, ray_cluster, tiny_model_dir):
     """lora_serving: adapter through Ray: an FSDP2 rank saves the adapter, a vLLM engine actor serves each new
     version (its probe moves every push), and far fewer bytes move than the merged weights."""
     import argparse

@@ -17,7 +17,7 @@ import torch
 
 from arpo.trainer.checkpoint import TRACKER_FILE, CheckpointManager, save_checkpoint
 from tests.trainer.workers_helpers import (add_training_columns, base_config, max_abs_diff, random_batch,  # noqa: F401
-                                           ray_cluster, small_model)
+                                           small_model)
 
 REPO = Path(__file__).resolve().parents[2]
 

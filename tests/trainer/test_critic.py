@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from tests.trainer.workers_helpers import (base_config, max_abs_diff, random_batch, ray_cluster,  # noqa: F401
+from tests.trainer.workers_helpers import (base_config, max_abs_diff, random_batch,  # noqa: F401
                                            reference_mini_batches, small_model)
 
 pytestmark = pytest.mark.slow

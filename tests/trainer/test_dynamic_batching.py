@@ -10,7 +10,7 @@ import torch
 
 from arpo.trainer.micro_batches import pack_by_tokens
 from tests.trainer.workers_helpers import (add_training_columns, base_config, max_abs_diff, random_batch,  # noqa: F401
-                                           ray_cluster, ray_update, reference_update, small_model, tree_batch)
+                                           ray_update, reference_update, small_model, tree_batch)
 
 
 def test_rows_are_packed_longest_first_up_to_the_budget_and_a_longer_row_runs_alone():

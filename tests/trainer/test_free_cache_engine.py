@@ -33,15 +33,9 @@ class StateDictGroup:
         self.plan = None
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    import ray
-
-    from arpo.runtime.ray_utils import init_ray
-
-    init_ray({"ray_init": {"num_cpus": 1}})
-    yield
-    ray.shutdown()
+@pytest.fixture(autouse=True)
+def _on_ray(ray_cluster):
+    """Every test here runs its engines as Ray actors on the worker's shared cluster."""
 
 
 def _trainer(engine, free: bool, tmp_path):

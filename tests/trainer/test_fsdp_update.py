@@ -7,7 +7,7 @@ import torch
 
 from arpo.batch import DataBatch
 from tests.trainer.workers_helpers import (add_training_columns, base_config, max_abs_diff, random_batch,  # noqa: F401
-                                           ray_cluster, ray_update, reference_update, small_model, tree_batch)
+                                           ray_update, reference_update, small_model, tree_batch)
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.trainer.workers_helpers import (add_training_columns, base_config, max_abs_diff,  # noqa: F401
-                                           one_process_group, random_batch, ray_cluster, ray_update, small_model)
+                                           one_process_group, random_batch, ray_update, small_model)
 
 
 def _cfg(model_dir, world: int = 1, rank: int = 4) -> dict:

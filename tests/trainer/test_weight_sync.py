@@ -13,7 +13,7 @@ import torch
 
 from arpo.engine.weights import bucket_size, plan_buckets, transfer_dtype
 from arpo.testing.scripted_engine import ScriptedEngine
-from tests.trainer.workers_helpers import base_config, random_batch, ray_cluster, small_model  # noqa: F401
+from tests.trainer.workers_helpers import base_config, random_batch, small_model  # noqa: F401
 
 QWEN7B_CONFIG = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "qwen2.5-7b" / "config.json"
 MIB = 1024 * 1024

@@ -29,14 +29,6 @@ def small_model(synthetic_dir, tmp_path_factory) -> Path:
     return build_small_model(tmp_path_factory.mktemp("small-model"), synthetic_dir)
 
 
-@pytest.fixture(scope="session")
-def ray_cluster() -> None:
-    # Left running for the rest of the session (starting Ray costs 10-40 s on 2 busy cores).
-    from arpo.runtime.ray_utils import init_ray
-
-    init_ray({"num_cpus": 4, "object_store_memory": 100 * 1024 * 1024})
-
-
 @pytest.fixture
 def one_process_group():
     """Leave the in-process group after a test that ran workers in this process (world size 1)."""
