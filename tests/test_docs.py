@@ -1,7 +1,8 @@
 """The docs site and the pages generated from the code: the site builds in strict mode (broken internal links,
 anchors and missing nav pages fail it); every key of the composed training config has a YAML comment (the
 configuration reference is built from them); every metric the rollout and the trainer's batch statistics log has a
-glossary entry (the end-to-end training runs check theirs in tests/test_main_arpo.py)."""
+glossary entry (a training step's own metrics: tests/test_examples.py; the end-to-end training runs check theirs
+in tests/test_main_arpo.py)."""
 
 from __future__ import annotations
 
@@ -104,15 +105,3 @@ def test_glossary_covers_the_rollout_and_batch_metrics_of_every_policy(overrides
     names = {*rollout, *compute_data_metrics(batch), *timer.metrics(100)}
     assert len(rollout) > 20
     assert not unknown_metrics(names), f"add these to arpo/reference/metrics_glossary.py: {unknown_metrics(names)}"
-
-
-@pytest.mark.slow  # one real update of the tiny model in this process (~15 s on 2 busy cores)
-def test_glossary_covers_every_metric_of_a_training_step(tiny_model_dir, synthetic_dir):
-    """The trainer's own step (real FSDP2 update on one in-process rank, real rewards and weight push; scripted
-    engine): every metric it returns has a glossary entry."""
-    from arpo.reference.metrics_glossary import unknown_metrics
-    from tests.trainer.train_step_helpers import one_train_step
-
-    metrics, _ = one_train_step(tiny_model_dir, synthetic_dir)
-    assert "actor/pg_loss" in metrics and "timing_s/step" in metrics and "critic/score/mean" in metrics
-    assert not unknown_metrics(metrics), f"add these to arpo/reference/metrics_glossary.py: {unknown_metrics(metrics)}"

@@ -67,8 +67,11 @@ def test_register_decorator_routes_a_data_source():
 
 @pytest.mark.slow  # one real update of the tiny model in this process (~15 s on 2 busy cores)
 def test_length_penalty_reward_is_used_in_a_training_step(tiny_model_dir, synthetic_dir):
-    """The trainer's own step (real FSDP2 update on one in-process rank, scripted engine) with the example
-    named by verl's custom_reward_function keys: its diagnostics reach the step's metrics."""
+    """The trainer's own step (real FSDP2 update on one in-process rank, real rewards and weight push; scripted
+    engine) with the example named by verl's custom_reward_function keys: its diagnostics reach the step's
+    metrics, and every metric of the step has an entry in the docs' metrics glossary (the same step serves both
+    checks: one training step fewer in the suite)."""
+    from arpo.reference.metrics_glossary import unknown_metrics
     from tests.trainer.train_step_helpers import one_train_step
 
     metrics, _ = one_train_step(tiny_model_dir, synthetic_dir, [
@@ -78,6 +81,8 @@ def test_length_penalty_reward_is_used_in_a_training_step(tiny_model_dir, synthe
     assert metrics["reward/length_penalty/mean"] > 0
     assert metrics["critic/score/mean"] == pytest.approx(
         metrics["reward/base_score/mean"] - metrics["reward/length_penalty/mean"], abs=1e-5)
+    assert "timing_s/step" in metrics and "critic/score/mean" in metrics
+    assert not unknown_metrics(metrics), f"add these to arpo/reference/metrics_glossary.py: {unknown_metrics(metrics)}"
 
 
 def test_jsonl_dataset_loads_through_the_real_dataset_class(tiny_model_dir):
