@@ -35,7 +35,7 @@ class StateDictGroup:
 
 @pytest.fixture(autouse=True)
 def _on_ray(ray_cluster):
-    """Every test here runs its engines as Ray actors on the worker's shared cluster."""
+    """The weight push hands its buckets through Ray's object store: the worker's shared cluster."""
 
 
 def _trainer(engine, free: bool, tmp_path):
