@@ -28,6 +28,7 @@ Prints one JSON object on stdout (``--out`` also writes it); each run's log goes
         --out experiments/results/peers/amx.json
     python experiments/bench_peers.py --model DIR --data PARQUET --prompts 2 --n 2 --max-response-length 32 \\
         --steps 1 --warmup 0 --repeats 1 --dtypes float32          # smoke (tests/test_bench_peers.py)
+    python experiments/bench_peers.py --table experiments/results/peers   # table.md from every machine's JSON
 """
 
 from __future__ import annotations
@@ -291,6 +292,43 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _spread(cell: dict[str, Any] | None, digits: int = 1) -> str:
+    if not cell:
+        return "–"
+    return f"{cell['median']:.{digits}f} [{cell['min']:.{digits}f}, {cell['max']:.{digits}f}]"
+
+
+def write_table(folder: Path) -> dict[str, Any]:
+    """``folder/table.md`` from every bench_peers JSON in ``folder``: per machine, dtype and side the medians and
+    ranges over repeats, and ours / TRL's step time."""
+    rows = []
+    for path in sorted(folder.glob("*.json")):
+        result = json.loads(path.read_text())
+        if result.get("benchmark") != "bench_peers":
+            continue
+        m = result["machine"]
+        machine = f"{m['cpu_model']}, {m['cpus']} cpus, torch {m['torch_cpu_capability']}" + (
+            f", {m['gpu']}" if m.get("gpu") else "")
+        for dtype, sides in result["summary"].items():
+            for side, row in sides.items():
+                rows.append({"file": path.name, "machine": machine, "dtype": dtype, "side": side,
+                             "repeats": row["repeats"], "step_s": row.get("step_s"),
+                             "generated_tokens_per_s": row.get("generated_tokens_per_s"),
+                             "trained_tokens_per_s": row.get("trained_tokens_per_s"),
+                             "peak_pss_gb": row.get("peak_pss_gb"), "ratio_to_trl": row.get("ratio_to_trl"),
+                             "commit": m["git_sha"][:7]})
+    lines = ["| machine | dtype | side | repeats | s / step | generated tok/s | trained tok/s | peak PSS GB | "
+             "ours / TRL (s / step) | commit | file |", "|" + "---|" * 11]
+    for r in rows:
+        lines.append(f"| {r['machine']} | {r['dtype']} | {r['side']} | {r['repeats']} | {_spread(r['step_s'])} | "
+                     f"{_spread(r['generated_tokens_per_s'])} | {_spread(r['trained_tokens_per_s'])} | "
+                     f"{_spread(r['peak_pss_gb'], 2)} | {_spread(r['ratio_to_trl'], 3)} | {r['commit']} | "
+                     f"`{r['file']}` |")
+    (folder / "table.md").write_text("Median [min, max] over repeats (`python experiments/bench_peers.py --table "
+                                     f"{repo_path(folder)}`).\n\n" + "\n".join(lines) + "\n")
+    return {"benchmark": "bench_peers", "table": repo_path(folder / "table.md"), "rows": rows}
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -316,11 +354,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="TRL at bfloat16 keeps its weights in bf16 instead of mixed precision over float32 weights")
     p.add_argument("--work-dir", type=Path, default=None, help="runs' logs and outputs (default: a temporary dir)")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    p.add_argument("--table", type=Path, default=None,
+                   help="only write FOLDER/table.md from the bench_peers JSON files in FOLDER (several machines)")
     p.add_argument("--trl-child", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--dtype-child", choices=DTYPES, help=argparse.SUPPRESS)
     p.add_argument("--out-child", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.trl_child is None:
+    if args.trl_child is None and args.table is None:
         for name, value in (("--model", args.model), ("--data", args.data)):
             if not value.exists():
                 p.error(f"{name} {value}: not found; run `make run` first (it makes both) or pass {name}")
@@ -337,6 +377,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.trl_child is not None:
         trl_child(json.loads(args.trl_child.read_text()), args.dtype_child, args.out_child)
+        return 0
+    if args.table is not None:
+        print(json.dumps(write_table(args.table.resolve()), indent=2))
         return 0
     with tempfile.TemporaryDirectory(prefix="bench_peers_") as tmp:
         work = (args.work_dir or Path(tmp)).resolve()

@@ -76,6 +76,21 @@ def test_summary_pairs_each_of_our_repeats_with_trls_of_the_same_repeat():
     assert "ratio_to_trl" not in summary["trl"] and "ours_arpo" not in summary
 
 
+def test_table_gathers_every_machine_s_json(tmp_path, capsys):
+    runs = [{"side": s, "dtype": "bfloat16", "repeat": r, "step_s": t, "peak_pss_gb": 2.0}
+            for s, r, t in [("trl", 0, 100.0), ("ours_grpo", 0, 10.0)]]
+    machine = {"cpu_model": "Some CPU", "cpus": 2, "torch_cpu_capability": "AVX512", "git_sha": "abcdef0123"}
+    (tmp_path / "amx.json").write_text(json.dumps({"benchmark": "bench_peers", "machine": machine,
+                                                   "summary": bench_peers.summarize(runs)}))
+    (tmp_path / "other.json").write_text(json.dumps({"benchmark": "something else"}))
+    assert bench_peers.main(["--table", str(tmp_path)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert [(r["side"], r["dtype"]) for r in printed["rows"]] == [("trl", "bfloat16"), ("ours_grpo", "bfloat16")]
+    table = (tmp_path / "table.md").read_text()
+    assert "| Some CPU, 2 cpus, torch AVX512 | bfloat16 | ours_grpo | 1 | 10.0 [10.0, 10.0] |" in table
+    assert "| 0.100 [0.100, 0.100] | abcdef0 | `amx.json` |" in table
+
+
 def test_bad_sizes_are_one_clear_error(sft_model_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         _job(sft_model_dir, tmp_path, warmup=2)
