@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
+from typing import Any, Callable, Sequence
 
 from arpo.runtime.machine import git_sha  # noqa: F401 - the commit every result JSON records
 
@@ -29,3 +31,29 @@ def repo_path(path: Path) -> str:
 def repo_relative(text: str) -> str:
     """``text`` with this checkout's absolute path taken out, so committed results hold repo-relative paths."""
     return text.replace(str(REPO) + "/", "").replace(str(REPO), ".")
+
+
+class PeakSampler:
+    """Per value, the peak over time of what ``measure()`` returns, sampled every ``interval`` seconds in a thread
+    while the ``with`` block runs (the benchmarks' memory peaks of process trees)."""
+
+    def __init__(self, measure: Callable[[], Sequence[float]], interval: float) -> None:
+        self.measure, self.interval = measure, interval
+        self.peaks: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            values = self.measure()
+            self.peaks = [max(p, v) for p, v in zip(self.peaks, values)] if self.peaks else list(values)
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self) -> "PeakSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -40,14 +40,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments import REPO, environ_with, repo_path, repo_relative  # noqa: E402
+from experiments import REPO, PeakSampler, environ_with, repo_path, repo_relative  # noqa: E402
 
 SIDES = ("trl", "ours_grpo", "ours_arpo")
 DTYPES = ("bfloat16", "float32")
@@ -193,43 +192,29 @@ def trl_child(job: dict[str, Any], dtype: str, out: Path) -> None:
 # Running and measuring
 # ---------------------------------------------------------------------------------------------------------------
 
-class TreeMemory:
-    """The peak, over 0.5 s samples, of the summed RSS and PSS of a process and all its descendants."""
+def tree_rss_pss(root: Any) -> tuple[float, float]:
+    """Summed RSS and PSS (bytes) of ``root`` (a psutil.Process) and all its descendants."""
+    import psutil
 
-    def __init__(self, pid: int) -> None:
-        import psutil
-
-        self.root = psutil.Process(pid)
-        self.peak_rss = self.peak_pss = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-
-    def _sample(self) -> None:
-        import psutil
-
-        while not self._stop.wait(0.5):
-            rss = pss = 0
-            try:
-                procs = [self.root, *self.root.children(recursive=True)]
-            except psutil.Error:
-                continue
-            for proc in procs:
-                try:
-                    mem = proc.memory_full_info()
-                except psutil.Error:  # exited between listing and reading
-                    continue
-                rss += mem.rss
-                pss += getattr(mem, "pss", mem.rss)
-            self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
+    rss = pss = 0.0
+    try:
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:  # the root has exited
+        return rss, pss
+    for proc in procs:
+        try:
+            mem = proc.memory_full_info()
+        except psutil.Error:  # exited between listing and reading
+            continue
+        rss += mem.rss
+        pss += getattr(mem, "pss", mem.rss)
+    return rss, pss
 
 
 def run_side(side: str, dtype: str, job: dict[str, Any], work: Path, repeat: int) -> dict[str, Any]:
     """One run of one side; its steps, the summary over the timed ones, and the peak memory."""
+    import psutil
+
     out = work / f"{side}_{dtype}_r{repeat}"
     out.mkdir(parents=True, exist_ok=True)
     if side == "trl":
@@ -243,16 +228,19 @@ def run_side(side: str, dtype: str, job: dict[str, Any], work: Path, repeat: int
     start = time.perf_counter()
     with (out / "run.log").open("w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        memory = TreeMemory(proc.pid)
-        rc = proc.wait()
-        memory.stop()
+        root = psutil.Process(proc.pid)
+        with PeakSampler(lambda: tree_rss_pss(root), 0.5) as memory:
+            rc = proc.wait()
+    peak_rss, peak_pss = memory.peaks
     wall = time.perf_counter() - start
     rows = job["prompts_per_step"] * job["n"]
-    steps = (json.loads((out / "steps.json").read_text()) if (out / "steps.json").is_file() else []) \
-        if side == "trl" else ours_steps(out, rows)
+    if side != "trl":
+        steps = ours_steps(out, rows)
+    else:  # the child writes its steps when it finishes
+        steps = json.loads((out / "steps.json").read_text()) if (out / "steps.json").is_file() else []
     result: dict[str, Any] = {"side": side, "dtype": dtype, "repeat": repeat, "returncode": rc,
-                              "wall_s": round(wall, 1), "peak_rss_gb": round(memory.peak_rss / 2**30, 2),
-                              "peak_pss_gb": round(memory.peak_pss / 2**30, 2), "steps": steps,
+                              "wall_s": round(wall, 1), "peak_rss_gb": round(peak_rss / 2**30, 2),
+                              "peak_pss_gb": round(peak_pss / 2**30, 2), "steps": steps,
                               "log": repo_path(out / "run.log")}
     timed = steps[job["warmup"]:]
     if rc != 0 or not timed:

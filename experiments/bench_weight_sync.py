@@ -39,6 +39,8 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from experiments import PeakSampler  # noqa: E402
+
 
 def _process_tree_kb(pid: int, field: str, tree: bool = True) -> float:
     """Sum of ``field`` (VmRSS / VmHWM, kB) over ``pid`` and (``tree``) its descendants."""
@@ -56,31 +58,11 @@ def _process_tree_kb(pid: int, field: str, tree: bool = True) -> float:
     return total
 
 
-class PrivateMemorySampler:
+def private_memory_sampler(pids: list[int], trees: list[bool] | None = None) -> PeakSampler:
     """Peak over time of the private (anonymous) resident memory of process trees, sampled every 10 ms: VmHWM also
     counts the pages of Ray's object store a process has touched, which stay mapped after the object is freed."""
-
-    def __init__(self, pids: list[int], trees: list[bool] | None = None):
-        import threading
-
-        self.pids, self.peaks = pids, [0.0] * len(pids)
-        self.trees = trees or [True] * len(pids)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for i, pid in enumerate(self.pids):
-                self.peaks[i] = max(self.peaks[i], _process_tree_kb(pid, "RssAnon", self.trees[i]))
-            self._stop.wait(0.01)
-
-    def __enter__(self) -> "PrivateMemorySampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
+    trees = trees or [True] * len(pids)
+    return PeakSampler(lambda: [_process_tree_kb(pid, "RssAnon", tree) for pid, tree in zip(pids, trees)], 0.01)
 
 
 def _reset_peaks(pid: int) -> None:
@@ -201,7 +183,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             # the engine actor alone and its engine core alone, beside the process trees
             parts = [*engine_pids, *core_pids]
             parts_before = [_process_tree_kb(pid, "RssAnon", tree=False) for pid in parts]
-            with PrivateMemorySampler(pids) as private, PrivateMemorySampler(parts, [False] * len(parts)) as alone:
+            with private_memory_sampler(pids) as private, private_memory_sampler(parts, [False] * len(parts)) as alone:
                 sent = await _push(group, engines, args.bucket_megabytes * 1024 * 1024,
                                    adapter_root / f"step_{r + 1}" if adapter_root else None)
             alone_extra = [(p - b) * 1024 for p, b in zip(alone.peaks, parts_before)]
