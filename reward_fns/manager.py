@@ -5,8 +5,9 @@ sympy and math-verify hold the GIL, so threads do not speed them up, and math-ve
 a main thread; ``"thread"`` suits light rewards (time limits are then off); ``"serial"`` (or
 ``num_workers <= 1``) runs in the calling process. ``"auto"`` (default) decides per batch: serial when every
 row routes to a light family of the registry (:data:`~reward_fns.registry.LIGHT_FAMILIES`: string and number
-checks, microseconds a row, where starting the pool's spawned processes costs seconds), else the process pool. The compute_score function must pickle for the
-process pool: registry snapshots and :class:`~reward_fns.registry.FileRewardFn` do, lambdas do not.
+checks, microseconds a row, where starting the pool's spawned processes costs seconds), else the process pool.
+The compute_score function must pickle for the process pool: registry snapshots and
+:class:`~reward_fns.registry.FileRewardFn` do, lambdas do not.
 
 **A reward function that raises** scores ``error_score`` (default 0.0) for that row, its message goes
 into the row's ``error`` diagnostic and a warning is logged; the batch carries on. Why 0 and not the −1
@@ -172,11 +173,11 @@ class RewardManager:
             if len(item) != 4:
                 raise ValueError(f"reward item {i} has {len(item)} fields; expected "
                                  f"(data_source, solution_str, ground_truth, extra_info)")
+        families = None
         if isinstance(self.compute_score, RewardRegistry):
             # an unrouted data_source is a configuration error: fail the batch, don't score it 0 silently
-            for source in {str(item[0]) for item in items}:
-                self.compute_score.lookup(source)
-        if self._executor_for(items) == "serial" or len(items) <= 1:
+            families = {self.compute_score.lookup(source).family for source in {str(item[0]) for item in items}}
+        if self._executor_for(families) == "serial" or len(items) <= 1:
             rows = [score_one(self.compute_score, item, self.error_score)
                     for item in tqdm(items, desc="rewards", disable=not self.show_progress)]
         else:
@@ -185,14 +186,12 @@ class RewardManager:
         self._log_errors(rows, data_sources)
         return RewardBatchResult([row["score"] for row in rows], rows, aggregate_diagnostics(rows, data_sources))
 
-    def _executor_for(self, items: Sequence[RewardItem]) -> str:
-        """The executor that scores ``items``: ``auto`` resolved by the families their data sources route to."""
+    def _executor_for(self, families: set[str] | None) -> str:
+        """The executor for a batch whose rows route to the registry's ``families`` (None: not the registry):
+        ``auto`` is serial when they are all light."""
         if self.executor_kind != "auto":
             return self.executor_kind
-        registry = self.compute_score if isinstance(self.compute_score, RewardRegistry) else None
-        if registry is not None and all(registry.lookup(str(item[0])).family in LIGHT_FAMILIES for item in items):
-            return "serial"
-        return "process"
+        return "serial" if families is not None and families <= LIGHT_FAMILIES else "process"
 
     def _score_parallel(self, items: list[RewardItem]) -> list[dict[str, Any]]:
         # a few chunks per worker: balances uneven rows without paying IPC per row
