@@ -43,8 +43,9 @@ Written under ``--out`` (commit it): ``README.md`` (command, git SHA, table, fig
 (mean ± std over seeds, Welch's t-test p-values against the baseline), ``runs.csv``, ``reward_curves.png``
 (seed bands), ``runs/<variant>/seed<K>/`` (``metrics.jsonl``, ``summary.json``, ``ablation_run.json``), and
 from each variant's final model of the first seed ``rollouts/<variant>.jsonl`` (per-token entropy, fork trees;
-``experiments/dump_rollout_entropy.py``) and ``entropy_around_tools.png``. Run folders with checkpoints stay
-under ``--runs-dir`` (ignored by git). ``notebooks/arpo_analysis.ipynb`` reads ``--out``.
+``experiments/dump_rollout_entropy.py``) and ``entropy_around_tools.png``. Run folders stay under ``--runs-dir``
+(ignored by git); a finished run's checkpoints are removed (``--keep-checkpoints`` keeps them), its final model
+stays in ``hf_model/``. ``notebooks/arpo_analysis.ipynb`` reads ``--out``.
 
 ``--collect-only`` trains nothing and rebuilds ``--out``'s table, figures and README from ``--out/runs``;
 ``--import-runs DIR`` first copies the suite's finished runs of ``--seeds`` from another runs folder (e.g. made
@@ -65,6 +66,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -193,8 +195,10 @@ def plan_runs(suite: Suite, seeds: Sequence[int], model_dir: Path, data_dir: Pat
     return runs
 
 
-def train(run: Run) -> bool:
-    """Run (or resume) one training run; output goes to ``<run>/ablation.log``; attempts are recorded."""
+def train(run: Run, keep_checkpoints: bool = False) -> bool:
+    """Run (or resume) one training run; output goes to ``<run>/ablation.log``; attempts are recorded. A finished
+    run's checkpoints are removed unless ``keep_checkpoints``: they only served its resume (its final weights stay
+    in ``hf_model/``), and at 1.7 GB a step for a 135M model a sweep's cells would fill the disk."""
     run.dir.mkdir(parents=True, exist_ok=True)
     record_path = run.dir / analysis.RUN_RECORD
     record = json.loads(record_path.read_text()) if record_path.is_file() else {"attempts": []}
@@ -222,6 +226,8 @@ def train(run: Run) -> bool:
         logger.error("%s seed %d failed (exit %d); last lines of %s:\n%s", run.variant.name, run.seed, rc,
                      run.dir / "ablation.log", "\n".join(tail))
         return False
+    if not keep_checkpoints:
+        shutil.rmtree(run.dir / "checkpoints", ignore_errors=True)
     logger.info("%s seed %d finished in %.0f s", run.variant.name, run.seed, wall)
     return True
 
@@ -300,6 +306,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--jobs", type=int, default=1, help="runs at once (each takes trainer.n_gpus_per_node "
                                                             "ranks + an engine; on a GPU node, one per GPU set)")
     parser.add_argument("--smoke", action="store_true", help="CI: 2 steps, first seed, tiny validation")
+    parser.add_argument("--keep-checkpoints", action="store_true",
+                        help="keep a finished run's checkpoints (default: removed once it finishes; hf_model/ stays)")
     parser.add_argument("--collect-only", action="store_true",
                         help="train nothing: rebuild --out's table, figures and README from the runs in --out/runs")
     parser.add_argument("--import-runs", type=Path, default=None,
@@ -410,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with tqdm(total=len(runs), initial=len(runs) - len(pending), desc=f"ablation {suite.name}",
                   unit="run") as bar:
-            futures = {pool.submit(train, run): run for run in pending}
+            futures = {pool.submit(train, run, args.keep_checkpoints): run for run in pending}
             for future in as_completed(futures):
                 if not future.result():
                     failed.append(futures[future])

@@ -105,6 +105,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="test questions per level sampled for the premise probe (default 128, --smoke 4)")
     p.add_argument("--jobs", type=int, default=1, help="cells at once")
     p.add_argument("--smoke", action="store_true", help="CI: small data, first seed, 2 steps, 8 validation prompts")
+    p.add_argument("--keep-checkpoints", action="store_true",
+                   help="keep a finished cell's checkpoints (default: removed once it finishes; hf_model/ stays)")
     p.add_argument("--collect-only", action="store_true", help="run nothing: rebuild the results from --out/cells")
     p.add_argument("--import-runs", type=Path, default=None,
                    help="with --collect-only: first copy the finished cells of another runs folder (another "
@@ -211,13 +213,13 @@ def plan_cells(args: argparse.Namespace, level: int, method: str, model: Path, d
     return runs
 
 
-def run_cells(runs: list[Run], jobs: int, out: Path, level: int, bar=None) -> list[Run]:
+def run_cells(runs: list[Run], jobs: int, out: Path, level: int, bar=None, keep_checkpoints: bool = False) -> list[Run]:
     """Train the unfinished ``runs`` (``jobs`` at once), each copied into the results as soon as it finishes (and
     counted on ``bar``); returns the failed ones."""
     from concurrent.futures import ThreadPoolExecutor
 
     def cell(run: Run) -> bool:
-        ok = train(run)
+        ok = train(run, keep_checkpoints)
         if run.finished:
             copy_cell(run.dir, cell_dest(out, level, run.variant.name, run.seed))
         if bar is not None:
@@ -275,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for run in already:
                     copy_cell(run.dir, cell_dest(args.out, level, run.variant.name, run.seed))
                 bar.update(len(already))
-                failed += run_cells(runs, args.jobs, args.out, level, bar)
+                failed += run_cells(runs, args.jobs, args.out, level, bar, args.keep_checkpoints)
     collect(args.out, header, args.smoke)
     if failed:
         logger.error("%d cell(s) failed: %s; rerun the same command to resume them", len(failed),

@@ -206,10 +206,10 @@ def read_metrics(out: Path) -> list[dict]:
 
 
 def check_training_run(out: Path, steps: int, trajectories: int, model_type: str = "qwen2",
-                       first_actor_step: int = 1) -> None:
+                       first_actor_step: int = 1, checkpoint: bool = True) -> None:
     """What every finished training run must leave: per-step metrics under verl's names, engine outputs that
     move with the weights after every actor update (from ``first_actor_step`` on), a final validation, the last
-    checkpoint and an HF export. Used by the resume test (2 ranks, PPO with a critic, agent loops) and by the
+    checkpoint (unless ``checkpoint`` is False: the ablation runner removes a finished run's) and an HF export. Used by the resume test (2 ranks, PPO with a critic, agent loops) and by the
     ablation smoke (1 rank, grpo/soft/hard), which are the suite's longest end-to-end trainings."""
     from transformers import AutoConfig
 
@@ -228,7 +228,7 @@ def check_training_run(out: Path, steps: int, trajectories: int, model_type: str
     probes = [by_step[s]["rollout/weight_sync_probe"] for s in sorted(by_step) if s >= first_actor_step]
     assert all(a != b for a, b in zip(probes, probes[1:])), probes
     assert "val-core/all/reward/mean" in json.loads((out / "summary.json").read_text())["final_validation"]
-    assert (out / "checkpoints" / f"global_step_{steps}" / "trainer_state.pt").exists()
+    assert (out / "checkpoints" / f"global_step_{steps}" / "trainer_state.pt").exists() == checkpoint
     assert AutoConfig.from_pretrained(out / "hf_model").model_type == model_type
 
 
