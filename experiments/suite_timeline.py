@@ -54,13 +54,27 @@ def summarize(records: list[dict], top: int = 20) -> dict:
     }
 
 
+def read_timeline(path: Path) -> tuple[list[dict], int]:
+    """The records of a timeline file and how many lines did not parse: a suite killed mid-write, or one that
+    filled the disk, leaves a line cut short, and the rest of its timeline is still worth reading."""
+    records, broken = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            broken += 1
+    return records, broken
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python experiments/suite_timeline.py", description=__doc__.split("\n\n")[0])
     p.add_argument("timeline", type=Path, help="the JSONL file ARPO_TEST_TIMELINE named")
     p.add_argument("--top", type=int, default=20, help="modules listed, longest first")
     args = p.parse_args(argv)
-    records = [json.loads(line) for line in args.timeline.read_text().splitlines() if line.strip()]
-    print(json.dumps(summarize(records, args.top), indent=2))
+    records, broken = read_timeline(args.timeline)
+    print(json.dumps({**summarize(records, args.top), "unreadable_lines": broken}, indent=2))
     return 0
 
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from arpo.config import REPO_ROOT
-from experiments.suite_timeline import summarize
+from experiments.suite_timeline import read_timeline, summarize
 
 
 def test_a_real_pytest_run_writes_one_line_per_test_and_the_summary_reads_it(tmp_path):
@@ -34,3 +34,14 @@ def test_summary_finds_the_idle_tail_and_the_longest_module():
     assert s["wall_s"] == 90.0 and s["workers"]["gw1"]["idle_tail_s"] == 50.0 and s["workers"]["gw0"]["busy_s"] == 90.0
     assert [m["module"] for m in s["modules"]] == ["tests/a.py", "tests/b.py"]
     assert s["modules"][0]["slowest_test"] == "t2" and s["modules"][0]["slowest_s"] == 60.0
+
+
+def test_a_line_cut_short_is_counted_and_the_rest_is_read(tmp_path):
+    # a suite killed mid-write (or one that filled the disk) leaves a partial line between whole ones
+    whole = {"test": "tests/a.py::t", "worker": "gw0", "start": 1.0, "end": 2.0}
+    timeline = tmp_path / "timeline.jsonl"
+    timeline.write_text(json.dumps(whole) + "\n" + json.dumps(whole)[:40] + json.dumps(whole) + "\n\n")
+    assert read_timeline(timeline) == ([whole], 1)  # the cut line ran into the next one: both unreadable
+    out = subprocess.run([sys.executable, "experiments/suite_timeline.py", str(timeline)], cwd=REPO_ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    assert json.loads(out)["unreadable_lines"] == 1 and json.loads(out)["tests"] == 1
