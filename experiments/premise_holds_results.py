@@ -257,14 +257,15 @@ def _plot_cells(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def _table(columns: tuple[str, ...], rows: list[dict[str, Any]]) -> str:
-    def fmt(v: Any) -> str:
+def _table(columns: tuple[str, ...], rows: list[dict[str, Any]], digits: int, signed: tuple[str, ...] = ()) -> str:
+    """A markdown table, every number of a column in one format: ``signed`` columns (differences) with their sign."""
+    def fmt(column: str, v: Any) -> str:
         if isinstance(v, float):
-            return "–" if math.isnan(v) else f"{v:+.4f}" if abs(v) < 0.1 else f"{v:.3f}"
+            return "–" if math.isnan(v) else f"{v:+.{digits}f}" if column in signed else f"{v:.{digits}f}"
         return str(v)
 
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    lines += ["| " + " | ".join(fmt(c, r.get(c)) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -319,9 +320,11 @@ def collect(out: Path, header: str, smoke: bool) -> None:
               "samples on the level's test questions, re-scored teacher-forced (`probe/level<K>.json`, `.png`; "
               "`probe_window5/`: the same with a 5-token window). The machine of each cell: `cells.csv`.",
               "", "## Verdict", "", *verdict(premise, pooled_rows), "",
-              "## The premise at the SFT model (`premise.csv`)", "", _table(PREMISE_COLUMNS, premise), "",
+              "## The premise at the SFT model (`premise.csv`)", "",
+              _table(PREMISE_COLUMNS, premise, 4, signed=PREMISE_COLUMNS), "",
               "## Methods against each other (`pooled.csv`; final accuracy paired by seed and question)", "",
-              _table(POOLED_COLUMNS, pooled_rows), "",
+              _table(POOLED_COLUMNS, pooled_rows, 4, signed=("diff", "ci_low", "ci_high")), "",
               "## Cells (`cells.csv`; tool calls, tokens and forks per question per training step)", "",
-              _table(CELL_COLUMNS[:-1], rows), "", *[f"![{f}]({f})\n" for f in figures]]
+              _table(CELL_COLUMNS[:-1], rows, 3, signed=("gain", "ci_low", "ci_high")), "",
+              *[f"![{f}]({f})\n" for f in figures]]
     (out / "README.md").write_text(repo_relative("\n".join(readme)))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -142,7 +143,12 @@ def test_collect_pools_paired_answers_and_takes_arpos_fork_rate(tmp_path):
     assert {float(c["forks"]) for c in cells} == {2.0}
     (pooled,) = list(csv.DictReader((out / "pooled.csv").open()))
     assert pooled["comparison"] == "arpo - grpo" and float(pooled["diff"]) == 0.5 and pooled["n"] == "20"
-    assert "arpo - grpo +0.500" in (out / "README.md").read_text()  # the verdict line
+    readme = (out / "README.md").read_text()
+    assert "arpo - grpo +0.500" in readme  # the verdict line
+    # one format per column: accuracies unsigned, gains and their bounds signed, whatever their size
+    row = next(line for line in readme.splitlines() if line.startswith("| grpo | 2 | 0 |")).split(" | ")
+    assert all(re.fullmatch(r"\d\.\d{3}", v) for v in row[3:5]), row  # before, after
+    assert all(re.fullmatch(r"[+-]\d\.\d{3}", v) for v in row[5:8]), row  # gain and its interval
 
 
 @pytest.mark.slow
