@@ -209,8 +209,9 @@ def check_training_run(out: Path, steps: int, trajectories: int, model_type: str
                        first_actor_step: int = 1, checkpoint: bool = True) -> None:
     """What every finished training run must leave: per-step metrics under verl's names, engine outputs that
     move with the weights after every actor update (from ``first_actor_step`` on), a final validation, the last
-    checkpoint (unless ``checkpoint`` is False: the ablation runner removes a finished run's) and an HF export. Used by the resume test (2 ranks, PPO with a critic, agent loops) and by the
-    ablation smoke (1 rank, grpo/soft/hard), which are the suite's longest end-to-end trainings."""
+    checkpoint (none when ``checkpoint`` is False: the ablation runner removes a finished run's) and an HF
+    export. Used by the resume test (2 ranks, PPO with a critic, agent loops) and by the ablation smoke (1 rank,
+    grpo/soft/hard), which are the suite's longest end-to-end trainings."""
     from transformers import AutoConfig
 
     metrics = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
