@@ -90,17 +90,39 @@ def smollm2_truncated_dir(smollm2_base_dir, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """One private Ray cluster per pytest worker, started by its first user and left running: every in-process Ray
-    test shares it (a start costs 10-40 s on 2 busy cores). Nothing may shut it down; tests kill their actors."""
+def worker_ray():
+    """This pytest worker's private Ray cluster, started by its first user and left running: every in-process Ray
+    test shares it, and the subprocess runs join it (:func:`worker_ray_env`); a start costs 10-40 s on 2 busy
+    cores. Nothing may shut it down; tests kill their actors."""
     import ray
 
     from arpo.runtime.ray_utils import init_ray
 
-    # Default temp_dir ($TMPDIR/ray): Ray's unix socket paths must stay short, pytest's tmp paths are too long.
-    init_ray({"num_cpus": 4, "object_store_memory": 100 * 1024 * 1024})
+    if not ray.is_initialized():
+        # The raylet's environment is every worker's, also a joined run's: nothing a test set for vLLM leaks there.
+        saved = {k: os.environ.pop(k) for k in [k for k in os.environ if k.startswith("VLLM_")]}
+        try:
+            # 6 logical CPUs: the largest joined run (PPO: 2 actor + 2 critic ranks + 1 engine) or two ablation runs
+            # at once (the raylet prestarts one idle worker per CPU, so no more). The object store takes memory as
+            # objects arrive; 1 GiB holds a SmolLM2 weight push unspilled. Default temp_dir ($TMPDIR/ray): Ray's
+            # unix socket paths must stay short, pytest's tmp paths are too long.
+            init_ray({"num_cpus": 6, "object_store_memory": 1024 * 1024 * 1024, "address": None})
+        finally:
+            os.environ.update(saved)
     return ray
+
+
+def worker_ray_env() -> dict[str, str]:
+    """A subprocess environment whose runs join this pytest worker's cluster instead of starting their own:
+    ``RAY_ADDRESS``, which ``ray_init.address`` defaults to."""
+    ray = worker_ray()
+    return {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """This pytest worker's Ray cluster (:func:`worker_ray`)."""
+    return worker_ray()
 
 
 def _cached_model(name: str) -> Path:

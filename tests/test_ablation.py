@@ -16,6 +16,7 @@ import pytest
 from arpo.config import REPO_ROOT, load_config
 from experiments import ablation
 from experiments.ablation_results import FINAL_CORRECTNESS
+from tests.conftest import worker_ray_env
 from tests.test_main_arpo import check_training_run
 
 #: the smoke ablation's results, shared with tests/test_notebook.py (each module gets its own fixture, one run)
@@ -41,8 +42,9 @@ def _ablation(sft_model_dir: Path, out: Path, runs: Path, *extra: str) -> subpro
     cmd = [sys.executable, str(REPO_ROOT / "experiments" / "ablation.py"), "--suite", "advantage", "--smoke",
            "--variants", "grpo", "arpo_hard", "--jobs", "2", "--seeds", "3", "4", "--model-dir", str(sft_model_dir), "--data-dir", str(data),
            "--out", str(out), "--runs-dir", str(runs), *extra]
+    # the runs join this pytest worker's Ray cluster instead of starting one each, one at a time
     return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "TQDM_DISABLE": "1"})
+                          env={**worker_ray_env(), "TQDM_DISABLE": "1"})
 
 
 @pytest.fixture(scope="session")

@@ -46,3 +46,13 @@ def test_cli_unknown_key_fails_with_one_line():
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "tiny_model.hiden_size" in lines[0]
+
+
+def test_ray_address_defaults_to_ray_s_own_variable(monkeypatch):
+    # Ray's convention (`ray job submit` sets it for the job's driver): a run joins $RAY_ADDRESS; a key beats it
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert load_config("arpo_trainer", []).ray_init.address is None  # a private cluster
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    assert load_config("arpo_trainer", []).ray_init.address == "127.0.0.1:6379"
+    assert load_config("arpo_trainer", ["ray_init.address=10.0.0.1:6379"]).ray_init.address == "10.0.0.1:6379"
+    assert load_config("arpo_trainer", ["ray_init.address=null"]).ray_init.address is None

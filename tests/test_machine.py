@@ -81,3 +81,19 @@ def test_ray_workers_start_with_the_thread_env(ray_cluster):
     ray = ray_cluster
     worker_env = ray.get(ray.remote(num_cpus=1)(lambda: os.environ.get("OMP_WAIT_POLICY")).remote())
     assert worker_env == os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+@pytest.mark.slow
+def test_a_process_given_ray_address_joins_that_cluster(ray_cluster):
+    """init_ray without an address key (the SFT stage, the benchmarks) joins $RAY_ADDRESS, as the trainer's
+    config default does; the suite's subprocess runs join their pytest worker's cluster this way."""
+    import subprocess
+    import sys
+
+    from tests.conftest import worker_ray_env
+
+    code = ("from arpo.runtime.ray_utils import init_ray; init_ray({'num_cpus': 1}); import ray; "
+            "print(ray.get_runtime_context().gcs_address)")
+    out = subprocess.run([sys.executable, "-c", code], env=worker_ray_env(), capture_output=True, text=True,
+                         timeout=300, check=True).stdout.strip().splitlines()[-1]
+    assert out == ray_cluster.get_runtime_context().gcs_address

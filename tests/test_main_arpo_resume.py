@@ -50,7 +50,8 @@ def test_sigkill_mid_training_resumes_from_the_last_checkpoint(sft_model_dir, tm
     data = torch.load(out / "checkpoints" / f"global_step_{killed_at}" / "data.pt", weights_only=False)
     assert data["batch_index"] == killed_at  # one batch of prompts per step so far
 
-    r = subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env=run_env())
+    # the resumed run joins this pytest worker's cluster (the killed one had its own, killed with its session)
+    r = subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env=run_env(join_ray=True))
     assert r.returncode == 0, r.stderr[-4000:]
     assert f"global step {killed_at})" in r.stderr + r.stdout
     final = torch.load(out / "checkpoints" / "global_step_2" / "trainer_state.pt", weights_only=False)

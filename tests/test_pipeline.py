@@ -10,7 +10,7 @@ import pytest
 
 from arpo.config import ConfigError
 from arpo.pipeline import Pipeline, Preset
-from tests.conftest import REPO
+from tests.conftest import REPO, worker_ray_env
 
 
 def test_presets_route_overrides_to_their_stages(tmp_path):
@@ -93,7 +93,7 @@ def test_real_model_preset_end_to_end_smoke(smollm2_truncated_dir, tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "arpo.pipeline", "--preset", "smollm2", "--output-dir", str(out),
                            f"base_model.source={smollm2_truncated_dir}", *SMOKE],
-                          cwd=REPO, capture_output=True, text=True, timeout=1200)
+                          cwd=REPO, capture_output=True, text=True, timeout=1200, env=worker_ray_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("RL gain (step 0 -> 1): accuracy:") and "95% CI" in last and "n=6" in last

@@ -14,7 +14,7 @@ import pytest
 
 from arpo.config import ConfigError
 from arpo.pipeline import Pipeline, Preset
-from tests.conftest import REPO, shared_data_dir
+from tests.conftest import REPO, shared_data_dir, worker_ray_env
 
 PAPER = "paper_qwen2.5_7b"
 SHAREGPT = REPO / "tests" / "fixtures" / "sft" / "sharegpt_arpo.json"
@@ -97,8 +97,8 @@ SMOKE = ["sft.max_steps=2", "sft.batch_size=2", "sft.num_ranks=1", "sft.dtype=fl
          "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
          "actor_rollout_ref.rollout.arpo.tools.workers=4", "actor_rollout_ref.rollout.arpo.tools.timeout_s=30",
          "actor_rollout_ref.rollout.max_model_len=640", "actor_rollout_ref.rollout.cpu_kvcache_space_gb=1",
-         "actor_rollout_ref.rollout.num_replicas=1", "trainer.n_gpus_per_node=1", "ray_init.num_cpus=4",
-         "ray_init.object_store_memory=1000000000", "trainer.total_training_steps=1", "trainer.test_freq=1",
+         "actor_rollout_ref.rollout.num_replicas=1", "trainer.n_gpus_per_node=1",
+         "trainer.total_training_steps=1", "trainer.test_freq=1",
          "trainer.save_freq=-1", "trainer.logger=[console,jsonl]",
          "eval.benchmarks=[bamboogle,gsm8k]", "eval.max_samples=2", "eval.num_runs=1"]
 
@@ -128,7 +128,7 @@ def test_paper_preset_end_to_end_smoke(smollm2_truncated_dir, shared_data, tmp_p
                            # RL; the eval on vLLM is tests/eval/test_eval_end_to_end.py's
                            "--eval-arg", "actor_rollout_ref.rollout.arpo.sampling.max_response_length=48",
                            "--eval-arg", "actor_rollout_ref.rollout.name=hf"],
-                          cwd=REPO, capture_output=True, text=True, timeout=1200)  # a busy machine: Ray start retries
+                          cwd=REPO, capture_output=True, text=True, timeout=1200, env=worker_ray_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     console = proc.stderr + proc.stdout
     for stage in ("data", "sft", "rl", "eval", "tables"):

@@ -19,6 +19,7 @@ from arpo.config import load_config
 from arpo.testing.scripted_engine import ScriptPolicy
 from experiments import premise_holds
 from experiments.ablation import ROLLOUT_KEY
+from tests.conftest import worker_ray_env
 from tests.rollout.rollout_helpers import rollout, rows
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -158,7 +159,7 @@ def test_smoke_suite_runs_every_method_into_the_tables_and_skips_finished_cells(
     cmd = [sys.executable, str(REPO_ROOT / "experiments" / "ablation.py"), "--suite", "premise_holds", "--smoke",
            "--levels", "2", "--methods", "arpo", "random", "--jobs", "2", "--model-dir", str(smollm2_truncated_dir),
            "--out", str(out), "--runs-dir", str(runs)]
-    env = {**os.environ, "TQDM_DISABLE": "1"}
+    env = {**worker_ray_env(), "TQDM_DISABLE": "1"}  # the cells join this pytest worker's Ray cluster
     r = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1500, env=env)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     cells = list(csv.DictReader((out / "cells.csv").open()))

@@ -2,7 +2,8 @@
 
 Keys under ``ray_init`` (documented in ``configs/rollout/engine.yaml``): ``num_cpus``, ``num_gpus``,
 ``object_store_memory`` (bytes), ``temp_dir``, ``include_dashboard``, ``address`` (join an existing cluster
-for multi-node runs instead of starting a private one).
+for multi-node runs instead of starting a private one; a section without the key joins ``$RAY_ADDRESS`` when set,
+Ray's own convention, as the trainer config's default does).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def init_ray(cfg: Any = None) -> None:
     # The raylet gives its Python agents 15 s to report their ports and aborts otherwise; a busy 2-core
     # machine needs longer (measured here: 15-25 s under load).
     os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
-    address = section.get("address")
+    address = section["address"] if "address" in section else os.environ.get("RAY_ADDRESS")
     runtime_env, log_to_driver = _worker_logging()
     if not log_to_driver:  # Ray's own console handler (installed at import) would print around our filter
         from arpo.runtime.logging_utils import adopt_library_logger
