@@ -21,7 +21,9 @@ loading and start-up are outside the step on both sides), generated tokens/s (co
 sampled / step seconds), trained tokens/s (prompt + completion tokens in the update / step seconds), and peak
 memory (the largest sum over the run's process tree, RSS and PSS, sampled each 0.5 s). Per side and dtype the
 median and range over repeats, and ``ratio_to_trl`` = ours / TRL's seconds per step, paired by repeat.
-Prints one JSON object on stdout (``--out`` also writes it); each run's log goes to ``--work-dir``.
+Prints one JSON object on stdout (``--out`` also writes it, after every run, so a killed benchmark keeps what it
+measured); each run's log goes to ``--work-dir``. Rerun with the same ``--work-dir`` and job, a killed benchmark
+resumes: a run that finished there (its ``result.json``) is kept, not run again.
 
     python experiments/bench_peers.py                               # make run's SFT model and data (run it first)
     python experiments/bench_peers.py --model DIR --data DIR/train.parquet --dtypes bfloat16 float32 --repeats 3 \\
@@ -253,7 +255,17 @@ def run_side(side: str, dtype: str, job: dict[str, Any], work: Path, repeat: int
         values = [s[key] / s["seconds"] for s in timed if s.get(key) is not None]
         if values:
             result[f"{key.split('_')[0]}_tokens_per_s"] = round(statistics.median(values), 1)
+    (out / "result.json").write_text(json.dumps({"job": job, "result": result}))
     return result
+
+
+def finished_run(side: str, dtype: str, job: dict[str, Any], work: Path, repeat: int) -> dict[str, Any] | None:
+    """The result of this run when an earlier, killed benchmark finished it in ``work`` for the same job."""
+    path = work / f"{side}_{dtype}_r{repeat}" / "result.json"
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    return saved["result"] if saved.get("job") == job else None
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -373,26 +385,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         work = (args.work_dir or Path(tmp)).resolve()
         job = write_job(args, work)
         (work / "job.json").write_text(json.dumps(job))
-        runs = []
-        for repeat in range(args.repeats):
-            for dtype in args.dtypes:
-                for side in args.sides:  # alternating, so a drift in the machine's speed reaches every side
-                    print(f"bench_peers: repeat {repeat + 1}/{args.repeats} {dtype} {side}", file=sys.stderr,
-                          flush=True)
-                    runs.append(run_side(side, dtype, job, work, repeat))
         from importlib import metadata
 
         versions = {d: metadata.version(d) for d in ("trl", "transformers", "accelerate", "torch")}
-        job = {k: (repo_path(Path(v)) if k in ("model", "prompts_file", "data") else v) for k, v in job.items()}
-        result = {"benchmark": "bench_peers", "command": "python experiments/bench_peers.py " + " ".join(
-                      repo_relative(a) for a in (argv if argv is not None else sys.argv[1:])),
-                  "machine": machine_info(), "versions": versions, "job": job,
-                  "summary": summarize(runs), "runs": runs}
-    text = json.dumps(result, indent=2)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    print(text)
+        head = {"benchmark": "bench_peers", "command": "python experiments/bench_peers.py " + " ".join(
+                    repo_relative(a) for a in (argv if argv is not None else sys.argv[1:])),
+                "machine": machine_info(), "versions": versions,
+                "job": {k: (repo_path(Path(v)) if k in ("model", "prompts_file", "data") else v) for k, v in job.items()}}
+        runs: list[dict[str, Any]] = []
+        result = {**head, "summary": {}, "runs": runs}
+        for repeat in range(args.repeats):
+            for dtype in args.dtypes:
+                for side in args.sides:  # alternating, so a drift in the machine's speed reaches every side
+                    kept = finished_run(side, dtype, job, work, repeat)
+                    print(f"bench_peers: repeat {repeat + 1}/{args.repeats} {dtype} {side}"
+                          + (" (finished earlier in --work-dir: kept)" if kept else ""), file=sys.stderr, flush=True)
+                    runs.append(kept or run_side(side, dtype, job, work, repeat))
+                    result = {**head, "summary": summarize(runs), "runs": runs}
+                    if args.out:  # after every run: a killed benchmark keeps what it measured
+                        args.out.parent.mkdir(parents=True, exist_ok=True)
+                        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
     return 0 if all("step_s" in r for r in runs) else 1
 
 

@@ -98,3 +98,29 @@ def test_bad_sizes_are_one_clear_error(sft_model_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_peers.parse_args(["--model", str(tmp_path / "missing")])
     assert "--model" in capsys.readouterr().err
+
+
+def test_a_killed_benchmark_resumes_keeping_the_runs_it_finished(sft_model_dir, tmp_path, monkeypatch, capsys):
+    data = sft_model_dir.parent.parent / "data" / "synthetic" / "train.parquet"
+    work, out = tmp_path / "work", tmp_path / "peers.json"
+    argv = ["--model", str(sft_model_dir), "--data", str(data), "--sides", "trl", "ours_grpo", "--prompts", "2",
+            "--n", "2", "--steps", "2", "--repeats", "1", "--dtypes", "float32", "--work-dir", str(work),
+            "--out", str(out)]
+    job = bench_peers.write_job(bench_peers.parse_args(argv), work)
+    kept = {"side": "trl", "dtype": "float32", "repeat": 0, "step_s": 10.0, "peak_rss_gb": 1.0}
+    (work / "trl_float32_r0").mkdir()
+    (work / "trl_float32_r0" / "result.json").write_text(json.dumps({"job": job, "result": kept}))
+    (work / "ours_grpo_float32_r0").mkdir()  # finished for another job: run again
+    (work / "ours_grpo_float32_r0" / "result.json").write_text(json.dumps({"job": {**job, "n": 4}, "result": {}}))
+    ran = []
+
+    def run_side(side, dtype, job, work, repeat):
+        ran.append(side)
+        return {"side": side, "dtype": dtype, "repeat": repeat, "step_s": 2.0, "peak_rss_gb": 1.0}
+
+    monkeypatch.setattr(bench_peers, "run_side", run_side)
+    assert bench_peers.main(argv) == 0
+    assert ran == ["ours_grpo"]  # the finished TRL run is kept, not run again
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(out.read_text()) and printed["runs"][0] == kept
+    assert printed["summary"]["float32"]["ours_grpo"]["ratio_to_trl"]["median"] == 0.2
