@@ -213,11 +213,16 @@ def tree_rss_pss(root: Any) -> tuple[float, float]:
     return rss, pss
 
 
+def run_dir(work: Path, side: str, dtype: str, repeat: int) -> Path:
+    """One run's folder: its log, its outputs and, once it finished, its ``result.json``."""
+    return work / f"{side}_{dtype}_r{repeat}"
+
+
 def run_side(side: str, dtype: str, job: dict[str, Any], work: Path, repeat: int) -> dict[str, Any]:
     """One run of one side; its steps, the summary over the timed ones, and the peak memory."""
     import psutil
 
-    out = work / f"{side}_{dtype}_r{repeat}"
+    out = run_dir(work, side, dtype, repeat)
     out.mkdir(parents=True, exist_ok=True)
     if side == "trl":
         cmd = [sys.executable, __file__, "--trl-child", str(work / "job.json"), "--dtype-child", dtype,
@@ -261,7 +266,7 @@ def run_side(side: str, dtype: str, job: dict[str, Any], work: Path, repeat: int
 
 def finished_run(side: str, dtype: str, job: dict[str, Any], work: Path, repeat: int) -> dict[str, Any] | None:
     """The result of this run when an earlier, killed benchmark finished it in ``work`` for the same job."""
-    path = work / f"{side}_{dtype}_r{repeat}" / "result.json"
+    path = run_dir(work, side, dtype, repeat) / "result.json"
     if not path.is_file():
         return None
     saved = json.loads(path.read_text())
