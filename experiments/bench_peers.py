@@ -146,15 +146,20 @@ def trl_child(job: dict[str, Any], dtype: str, out: Path) -> None:
         return [float(s["score"] if isinstance(s, dict) else s) for s in scores]
 
     steps: list[dict[str, float]] = []
+    generation = {"seconds": 0.0}  # TRL's _generate inside the current step, for the same split as ours
 
     class StepClock(TrainerCallback):
         """The optimizer step's wall time (TRL generates inside it) and the tokens TRL logged for it."""
 
         def on_step_begin(self, args, state, control, **kwargs):
+            generation["seconds"] = 0.0
             self.start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
-            steps.append({"seconds": time.perf_counter() - self.start})
+            seconds = time.perf_counter() - self.start
+            # the rest is the rewards and the update: at beta 0 and one iteration TRL has no log-prob pass
+            steps.append({"seconds": seconds, "gen_seconds": generation["seconds"],
+                          "update_seconds": seconds - generation["seconds"]})
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and steps and "completions/mean_length" in logs:
@@ -181,6 +186,16 @@ def trl_child(job: dict[str, Any], dtype: str, out: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=weights)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[StepClock()])
+    generate = trainer._generate
+
+    def timed_generate(*a: Any, **k: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return generate(*a, **k)
+        finally:
+            generation["seconds"] += time.perf_counter() - start
+
+    trainer._generate = timed_generate
     trainer.train()
     prev = 0.0
     for step in steps:  # TRL logs a running total of the tokens it has trained on

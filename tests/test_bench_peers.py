@@ -60,6 +60,8 @@ def test_trl_side_trains_the_job_and_reports_step_time_tokens_and_memory(sft_mod
     assert run["returncode"] == 0 and len(run["steps"]) == 2, run.get("error")
     for step in run["steps"]:  # 2 prompts x 2 completions of <= 24 tokens; the update adds the prompts
         assert 0 < step["generated_tokens"] <= 4 * 24 < step["trained_tokens"]
+        # TRL's generation timed inside its step, so its steps split as ours do
+        assert 0 < step["gen_seconds"] < step["seconds"] and step["update_seconds"] > 0
     assert run["step_s"] == round(run["steps"][1]["seconds"], 2)  # the warm-up step is left out
     assert run["generated_tokens_per_s"] > 0 and run["peak_rss_gb"] >= run["peak_pss_gb"] > 0.1
     assert printed["versions"]["trl"] == "1.16.0" and printed["job"]["n"] == 2

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# TRL's GRPOTrainer against our trainer's parts on one GPU, at bench_peers' job (experiments/bench_peers.py), for a
+# GPU machine with torch and transformers but neither Ray nor vLLM (their wheels are too large to reach it), so our
+# full step cannot run there. What runs: TRL's whole step (generation with model.generate, bf16 autocast over
+# float32 weights), then ours by part at the same sizes: the FSDP2 update (experiments/bench_trainer.py, one rank
+# in this process, on-policy as at beta 0) and our HF engine's generation (experiments/bench_engine.py). The
+# weights are random (SmolLM2-135M's architecture): neither side then stops early, so both generate every token
+# of the job.
+#
+#   experiments/gpu_check_peers.sh OUT_DIR MODEL_FILES PROMPTS_PARQUET
+#
+# MODEL_FILES: config.json and tokenizer files, no weights; PROMPTS_PARQUET: the job's prompts (make run's training
+# set). trl, datasets, dill, multiprocess, omegaconf, hydra-core, antlr4 and concurrent-log-handler as wheels in
+# .whl/ (see experiments/gpu_check.sh), installed from there when missing.
+set -uo pipefail
+out=${1:?usage: experiments/gpu_check_peers.sh OUT_DIR MODEL_FILES PROMPTS_PARQUET}
+files=${2:?MODEL_FILES}
+prompts=${3:?PROMPTS_PARQUET}
+py=${PYTHON:-python3}
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+if ! "$py" -c "import trl, datasets, omegaconf, hydra, concurrent_log_handler" 2>/dev/null; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    || { echo "missing trl/datasets/omegaconf/... and no wheels in .whl/"; exit 1; }
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt" || true
+model=/tmp/peers_model
+"$py" -c "
+import sys; from pathlib import Path; sys.path.insert(0, 'experiments')
+from bench_trainer import random_init_model
+random_init_model(Path('$files'), Path('$model'), device='${DEVICE:-cuda}')" || exit 1
+# prompt length: the job's mean prompt in tokens (chat template applied), for our parts' synthetic rows
+plen=$("$py" -c "
+import pandas as pd; from transformers import AutoTokenizer
+tok = AutoTokenizer.from_pretrained('$model'); f = pd.read_parquet('$prompts').iloc[:${PROMPTS:-8}]
+ids = [tok.apply_chat_template([dict(m) for m in r], add_generation_prompt=True, tokenize=True, return_dict=True)['input_ids'] for r in f['prompt']]
+print(round(sum(map(len, ids)) / len(ids)))")
+rows=$(( ${PROMPTS:-8} * ${N:-8} ))
+resp=${RESPONSE:-384}
+status=0
+step() {  # name, command...: its stdout to OUT/name.json, stderr to OUT/name.log
+  local name=$1; shift
+  echo "== $name"
+  timeout "${STEP_TIMEOUT:-300}" "$@" >"$out/$name.json" 2>"$out/$name.log" || { echo "FAILED $name"; tail -5 "$out/$name.log"; status=1; }
+}
+step trl "$py" experiments/bench_peers.py --model "$model" --data "$prompts" --sides trl --dtypes bfloat16 \
+  --prompts "${PROMPTS:-8}" --n "${N:-8}" --max-response-length "$resp" --steps "${STEPS:-3}" --warmup 1 \
+  --repeats "${REPEATS:-2}" --threads 8 --work-dir /tmp/peers_work
+step ours_update "$py" experiments/bench_trainer.py --model "$model" --no-ray --ranks 1 --settings multi \
+  --device "${DEVICE:-cuda}" --rows "$rows" --prompt-len "$plen" --response-len "$resp" --micro 8 --steps "${STEPS:-3}" \
+  --warmup 1 --on-policy
+step ours_generation "$py" experiments/bench_engine.py --model "$model" --backends hf --prompts "$rows" \
+  --prompt-len "$plen" --max-tokens "$resp" --logprobs 0 --repeats "${REPEATS:-2}" --dtype bfloat16
+"$py" - "$out" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+def load(name):
+    try:
+        return json.loads((out / f"{name}.json").read_text())
+    except Exception:
+        return None
+trl, upd, gen = load("trl"), load("ours_update"), load("ours_generation")
+if trl:
+    for r in trl["runs"]:
+        timed = r["steps"][1:]
+        print("TRL step_s", r.get("step_s"), "gen_s", [round(s["gen_seconds"], 2) for s in timed],
+              "rest_s", [round(s["update_seconds"], 2) for s in timed], "gen tok/s", r.get("generated_tokens_per_s"))
+if upd:
+    print("ours update:", json.dumps({k: v for k, v in upd.items() if k not in ("machine",)})[:1500])
+if gen:
+    print("ours HF generation:", json.dumps(gen.get("hf"))[:800])
+PY
+exit $status
