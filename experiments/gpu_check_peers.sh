@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # TRL's GRPOTrainer against our trainer's parts on one GPU, at bench_peers' job (experiments/bench_peers.py), for a
-# GPU machine with torch and transformers but neither Ray nor vLLM (their wheels are too large to reach it), so our
+# GPU machine with torch and transformers but neither Ray nor vLLM (and no network to install them), so our
 # full step cannot run there. What runs: TRL's whole step (generation with model.generate, bf16 autocast over
 # float32 weights), then ours by part at the same sizes: the FSDP2 update (experiments/bench_trainer.py, one rank
 # in this process, on-policy as at beta 0) and our HF engine's generation (experiments/bench_engine.py). The
