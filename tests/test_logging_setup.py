@@ -8,16 +8,31 @@ import pytest
 from arpo.runtime.logging_utils import setup_logging
 
 
+@pytest.fixture
+def vllm_logger(monkeypatch):
+    """The ``vllm`` logger as a fresh process has it, restored after. An in-process engine that an earlier test
+    started configured it with vLLM's own config (a handler, no propagation, and the level that process's
+    ``VLLM_LOGGING_LEVEL`` gave, ERROR in one full suite run)."""
+    logger = logging.getLogger("vllm")
+    monkeypatch.setattr(logger, "handlers", [])
+    monkeypatch.setattr(logger, "filters", [])
+    monkeypatch.setattr(logger, "propagate", True)
+    monkeypatch.setattr(logger, "disabled", False)
+    level = logger.level
+    logger.setLevel(logging.NOTSET)  # setLevel, not setattr: it also clears the loggers' cached levels
+    yield logger
+    logger.setLevel(level)
+
+
 @pytest.mark.parametrize("vllm_configured_first", [False, True])
-def test_engine_info_reaches_the_file_but_not_the_console(tmp_path, capsys, monkeypatch, vllm_configured_first):
+def test_engine_info_reaches_the_file_but_not_the_console(tmp_path, capsys, monkeypatch, vllm_logger,
+                                                          vllm_configured_first):
     monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
     monkeypatch.setenv("ARPO_LOG_DIR", str(tmp_path))  # restored after: setup_logging points workers here
-    vllm_logger = logging.getLogger("vllm")
-    monkeypatch.setattr(vllm_logger, "handlers", [])
-    monkeypatch.setattr(vllm_logger, "propagate", True)
     if vllm_configured_first:  # what an in-process engine does when vLLM's own logging config is on
         vllm_logger.addHandler(logging.StreamHandler(sys.stdout))
         vllm_logger.propagate = False
+        vllm_logger.setLevel(logging.INFO)
     root = logging.getLogger()
     before = list(root.handlers)
     for h in before:  # a fresh setup, whatever earlier tests installed (its console binds to capsys's stderr)
@@ -50,7 +65,7 @@ def _restore(root, before):
         root.addHandler(h)
 
 
-def test_engine_logs_shown_live_on_request(tmp_path, capsys, monkeypatch):
+def test_engine_logs_shown_live_on_request(tmp_path, capsys, monkeypatch, vllm_logger):
     monkeypatch.setenv("ARPO_ENGINE_LOGS", "console")
     monkeypatch.setenv("ARPO_LOG_DIR", str(tmp_path))
     root = logging.getLogger()
