@@ -17,6 +17,8 @@ out=${1:?usage: experiments/gpu_check_peers.sh OUT_DIR MODEL_FILES PROMPTS_PARQU
 files=${2:?MODEL_FILES}
 prompts=${3:?PROMPTS_PARQUET}
 py=${PYTHON:-python3}
+# the job and the run, overridable from the environment
+prompts_n=${PROMPTS:-8} n=${N:-8} resp=${RESPONSE:-384} steps=${STEPS:-3} repeats=${REPEATS:-2} device=${DEVICE:-cuda}
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 if ! "$py" -c "import trl, datasets, omegaconf, hydra, concurrent_log_handler" 2>/dev/null; then
@@ -29,15 +31,14 @@ model=/tmp/peers_model
 "$py" -c "
 import sys; from pathlib import Path; sys.path.insert(0, 'experiments')
 from bench_trainer import random_init_model
-random_init_model(Path('$files'), Path('$model'), device='${DEVICE:-cuda}')" || exit 1
+random_init_model(Path('$files'), Path('$model'), device='$device')" || exit 1
 # prompt length: the job's mean prompt in tokens (chat template applied), for our parts' synthetic rows
 plen=$("$py" -c "
 import pandas as pd; from transformers import AutoTokenizer
-tok = AutoTokenizer.from_pretrained('$model'); f = pd.read_parquet('$prompts').iloc[:${PROMPTS:-8}]
+tok = AutoTokenizer.from_pretrained('$model'); f = pd.read_parquet('$prompts').iloc[:$prompts_n]
 ids = [tok.apply_chat_template([dict(m) for m in r], add_generation_prompt=True, tokenize=True, return_dict=True)['input_ids'] for r in f['prompt']]
 print(round(sum(map(len, ids)) / len(ids)))")
-rows=$(( ${PROMPTS:-8} * ${N:-8} ))
-resp=${RESPONSE:-384}
+rows=$(( prompts_n * n ))
 status=0
 step() {  # name, command...: its stdout to OUT/name.json, stderr to OUT/name.log
   local name=$1; shift
@@ -45,13 +46,13 @@ step() {  # name, command...: its stdout to OUT/name.json, stderr to OUT/name.lo
   timeout "${STEP_TIMEOUT:-300}" "$@" >"$out/$name.json" 2>"$out/$name.log" || { echo "FAILED $name"; tail -5 "$out/$name.log"; status=1; }
 }
 step trl "$py" experiments/bench_peers.py --model "$model" --data "$prompts" --sides trl --dtypes bfloat16 \
-  --prompts "${PROMPTS:-8}" --n "${N:-8}" --max-response-length "$resp" --steps "${STEPS:-3}" --warmup 1 \
-  --repeats "${REPEATS:-2}" --threads 8 --work-dir /tmp/peers_work
+  --prompts "$prompts_n" --n "$n" --max-response-length "$resp" --steps "$steps" --warmup 1 \
+  --repeats "$repeats" --threads 8 --work-dir /tmp/peers_work
 step ours_update "$py" experiments/bench_trainer.py --model "$model" --no-ray --ranks 1 --settings multi \
-  --device "${DEVICE:-cuda}" --rows "$rows" --prompt-len "$plen" --response-len "$resp" --micro 8 --steps "${STEPS:-3}" \
+  --device "$device" --rows "$rows" --prompt-len "$plen" --response-len "$resp" --micro 8 --steps "$steps" \
   --warmup 1 --on-policy
 step ours_generation "$py" experiments/bench_engine.py --model "$model" --backends hf --prompts "$rows" \
-  --prompt-len "$plen" --max-tokens "$resp" --logprobs 0 --repeats "${REPEATS:-2}" --dtype bfloat16
+  --prompt-len "$plen" --max-tokens "$resp" --logprobs 0 --repeats "$repeats" --dtype bfloat16
 "$py" - "$out" <<'PY'
 import json, sys
 from pathlib import Path
