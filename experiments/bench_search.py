@@ -16,9 +16,6 @@ import json
 import os
 import platform
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,13 +26,13 @@ from typing import Callable
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-import httpx  # noqa: E402
 
 from tools.search.arpo_cache import ArpoCacheBackend, load_arpo_cache  # noqa: E402
 from tools.search.base import NO_RESULTS, SearchBackend  # noqa: E402
 from tools.search.bm25 import BM25Backend, open_index, write_jsonl_corpus  # noqa: E402
 from tools.search.build_corpus import synthetic_documents  # noqa: E402
 from tools.search.client import RetrievalServerBackend  # noqa: E402
+from tools.search.server import ServerProcess  # noqa: E402
 
 
 def throughput(search: Callable[[str], object], queries: list[str], concurrency: int) -> dict[str, float]:
@@ -50,49 +47,12 @@ def throughput(search: Callable[[str], object], queries: list[str], concurrency:
     return {"queries": len(queries), "seconds": round(elapsed, 3), "qps": round(len(queries) / elapsed, 1)}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """The retrieval server as a subprocess on 127.0.0.1 (stopped on exit)."""
-
-    def __init__(self, *source_args: str):
-        self.url = f"http://127.0.0.1:{free_port()}"
-        port = self.url.rsplit(":", 1)[1]
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "tools.search.server", *source_args, "--port", port],
-                                     cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-    def __enter__(self) -> "Server":
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stderr.read().decode()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                time.sleep(0.2)
-        raise RuntimeError("server did not start within 300 s")
-
-    def __exit__(self, *exc) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
 def bench_backend(backend: SearchBackend, queries: list[str], top_k: int, concurrency: list[int]) -> dict:
     return {f"c{c}": throughput(lambda q: backend.search(q, top_k), queries, c) for c in concurrency}
 
 
 def bench_server(source_args: list[str], queries: list[str], top_k: int, concurrency: list[int]) -> dict:
-    with Server(*source_args) as server:
+    with ServerProcess(*source_args) as server:
         client = RetrievalServerBackend(server.url, max_connections=max(concurrency))
         client.search(queries[0], top_k)  # warm the connection
         out = bench_backend(client, queries, top_k, concurrency)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -43,10 +43,12 @@ ROLES = ("actor", "ref")
 __all__ = ["ActorWorker", "METRIC_KEYS"]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def open_store(host: str, port: int = 0, world_size: int = 1, is_master: bool = True) -> dist.TCPStore:
+    """The process group's key-value store. The master binds ``port`` 0 and the OS hands it a free port
+    atomically: a port probed free and bound later can be taken in between (by any socket's ephemeral source
+    port), which failed runs with EADDRINUSE."""
+    # the master must not wait for the other ranks here: they connect only once it has returned its port
+    return dist.TCPStore(host, port, world_size, is_master, timeout=timedelta(minutes=30), wait_for_workers=False)
 
 
 class ActorWorker:
@@ -83,19 +85,24 @@ class ActorWorker:
         self._sync: tuple[dict[str, torch.Tensor], list[list[BucketEntry]]] | None = None
         #: CUDA: the page-locked bucket buffer, kept between weight syncs (:meth:`weight_bucket`)
         self._pinned: torch.Tensor | None = None
+        #: the process group's store: rank 0 hosts it (:meth:`rendezvous_address`), the others connect
+        self._store: dist.TCPStore | None = None
 
     # ------------------------------------------------------------------------------------------------
     # set-up
     # ------------------------------------------------------------------------------------------------
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """(address, free port) of this rank's node, for rank 0 to host the process-group store."""
+        """Open the process group's store on this rank's node (rank 0) and return its (address, port) for
+        every rank's :meth:`init_model`."""
         if self.cfg.nnodes == 1:
-            return "127.0.0.1", free_port("127.0.0.1")
-        import ray
+            address = "127.0.0.1"
+        else:
+            import ray
 
-        address = ray.util.get_node_ip_address()
-        return address, free_port(address)
+            address = ray.util.get_node_ip_address()
+        self._store = open_store(address, world_size=self.world_size)
+        return address, self._store.port
 
     def init_model(self, master_addr: str = "127.0.0.1", master_port: int | None = None) -> dict:
         """Join the process group, load the model (rank 0 reads the checkpoint; every rank builds it on the meta
@@ -109,9 +116,11 @@ class ActorWorker:
             # Keep gloo's sockets on loopback; by default it resolves the hostname to the eth0 address.
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         if not dist.is_initialized():
-            port = master_port or free_port(master_addr)
-            dist.init_process_group(self.settings.backend, init_method=f"tcp://{master_addr}:{port}",
-                                    rank=self.rank, world_size=self.world_size)
+            if self._store is None:  # rank 0 without a rendezvous (a single rank) opens its own store
+                self._store = (open_store(master_addr, world_size=self.world_size) if master_port is None else
+                               open_store(master_addr, master_port, self.world_size, is_master=False))
+            dist.init_process_group(self.settings.backend, store=self._store, rank=self.rank,
+                                    world_size=self.world_size)
         if self.settings.device_type == "cuda":
             torch.cuda.set_device(self.settings.device(int(os.environ.get("LOCAL_RANK", 0))))
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -468,7 +477,7 @@ class ActorWorker:
     def shutdown(self) -> None:
         """Leave the process group, free model, optimizer and buffers (CUDA cache too): a rank in the driver's
         process (LocalWorkerGroup: the cold-start SFT) would keep them beside the engine and actor started next."""
-        self.model = self.optimizer = self.lr_scheduler = self._sync = self._pinned = None
+        self.model = self.optimizer = self.lr_scheduler = self._sync = self._pinned = self._store = None
         if dist.is_initialized():
             dist.destroy_process_group()
         release_memory(full=True)  # a full collection: FSDP2's hooks hold the modules in reference cycles

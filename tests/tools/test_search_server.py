@@ -2,30 +2,19 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tools.search.base import REPO_ROOT, SearchBackendError
+from tools.search.base import SearchBackendError
 from tools.search.bm25 import BM25Backend, write_jsonl_corpus
 from tools.search.build_corpus import synthetic_documents
 from tools.search.client import RetrievalServerBackend
+from tools.search.server import ServerProcess
 from tools.search.tool import SearchTool
 
 N_DOCS = 400
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -37,44 +26,18 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(corpus):
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.search.server", "--corpus", str(corpus), "--port", str(port)],
-        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"retrieval server exited with {proc.returncode}:\n{proc.stdout.read()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("retrieval server did not answer /health within 90 s")
-            time.sleep(0.2)
-        yield proc, url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with ServerProcess("--corpus", str(corpus), startup_timeout=90) as server:
+        yield server
 
 
 def test_health_reports_the_index(server):
-    _, url = server
+    url = server.url
     info = RetrievalServerBackend(url).health()
     assert info["status"] == "ok" and info["backend"] == "bm25" and info["num_docs"] == N_DOCS
 
 
 def test_concurrent_clients_get_the_in_process_answers(server, corpus):
-    _, url = server
+    url = server.url
     local = BM25Backend(corpus)  # loads the index the server saved beside the corpus
     docs = local.index.docs
     queries = [f"{d.title} {d.text.split()[4]}" for d in docs[:60]]
@@ -92,7 +55,7 @@ def test_concurrent_clients_get_the_in_process_answers(server, corpus):
 
 
 def test_batch_endpoint_and_request_validation(server):
-    _, url = server
+    url = server.url
     resp = httpx.post(f"{url}/batch_search", json={"queries": ["alpha", "beta gamma"], "top_k": 3})
     assert resp.status_code == 200 and len(resp.json()["results"]) == 2
     # an invalid top_k is a client error: reported at once, not retried
@@ -104,21 +67,10 @@ def test_batch_endpoint_and_request_validation(server):
 
 def test_disk_cache_answers_after_the_server_is_gone(corpus, tmp_path):
     """Own server instance: this test stops it to prove the client cache answers without the network."""
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     spec = tmp_path / "backend.yaml"  # this server gets its backend from a config block instead of --corpus
     spec.write_text(f"type: bm25\ncorpus_path: {corpus}\n")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.search.server", "--backend-config", str(spec), "--port", str(port)],
-        cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(450):
-            try:
-                httpx.get(f"{url}/health", timeout=1)
-                break
-            except httpx.TransportError:
-                time.sleep(0.2)
+    with ServerProcess("--backend-config", str(spec), startup_timeout=90) as server:
+        url = server.url
         cache = tmp_path / "client_cache.sqlite"
         config = {"backend": {"type": "server", "url": url, "cache_path": str(cache), "max_retries": 1,
                               "backoff_base": 0.01, "timeout": 5.0}, "max_results": 3}
@@ -129,9 +81,6 @@ def test_disk_cache_answers_after_the_server_is_gone(corpus, tmp_path):
         assert all(t.startswith("Page 1: ") for t in online)
         assert tool.backend.requests_sent == len(queries)
         assert tool.call_text(queries[0]) == online[0] and tool.backend.requests_sent == len(queries)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=10)
     # server gone: a new client (another worker) answers cached queries from disk, others become error text
     offline = SearchTool(config)
     assert [offline.call_text(q) for q in queries] == online

@@ -13,14 +13,21 @@ so FastAPI runs them in its thread pool and slow queries do not block the event 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import time
 from typing import Any
 
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, Field
 
-from tools.search.base import SearchBackend, SearchBackendError
+from tools.search.base import REPO_ROOT, SearchBackend, SearchBackendError
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +77,58 @@ def create_app(backend: SearchBackend) -> FastAPI:
     return app
 
 
+class ServerProcess:
+    """The server as a subprocess on a free port of 127.0.0.1, for scripts and tests: ``with
+    ServerProcess("--corpus", path) as server: RetrievalServerBackend(server.url)``. Ready (``/health``
+    answers) when the block starts; stopped when it ends."""
+
+    def __init__(self, *source_args: str, startup_timeout: float = 300.0):
+        self.args, self.startup_timeout = source_args, startup_timeout
+        self.url = ""
+
+    def __enter__(self) -> "ServerProcess":
+        import httpx
+
+        self._stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, "-m", "tools.search.server", *self.args, "--port", "0"],
+                                     cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                                     stdout=subprocess.PIPE, stderr=self._stderr, text=True)
+        try:
+            first = self.proc.stdout.readline()  # the address line, or EOF when the server dies first
+            if not first.startswith("retrieval server on "):
+                self.fail("exited before announcing its address")
+            self.url = first.split()[-1]
+            deadline = time.monotonic() + self.startup_timeout
+            while True:
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                        return self
+                if self.proc.poll() is not None:
+                    self.fail(f"exited with {self.proc.returncode}")
+                if time.monotonic() > deadline:
+                    self.fail(f"did not answer /health within {self.startup_timeout:.0f} s")
+                time.sleep(0.2)
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def fail(self, what: str) -> None:
+        self._stderr.seek(0)
+        tail = self._stderr.read().decode(errors="replace")[-2000:]
+        raise RuntimeError(f"retrieval server ({' '.join(self.args)}) {what}:\n{tail}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
+        self._stderr.close()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = parser.add_mutually_exclusive_group(required=True)
@@ -80,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--index-dir", default=None, help="where the BM25 index lives (default: beside the corpus)")
     parser.add_argument("--rebuild", action="store_true", help="rebuild the BM25 index even if a fresh one exists")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000,
+                        help="0: the OS picks a free port; the first stdout line names the address either way")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
 
@@ -104,7 +164,14 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    uvicorn.run(create_app(backend), host=args.host, port=args.port, log_level=args.log_level)
+    # Bound here, not by uvicorn, so that port 0 is resolved before the address is announced: a caller that
+    # probes a free port and passes it can lose it to another socket before the server binds.
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    print(f"retrieval server on http://{args.host}:{sock.getsockname()[1]}", flush=True)
+    server = uvicorn.Server(uvicorn.Config(create_app(backend), log_level=args.log_level))
+    server.run(sockets=[sock])
 
 
 if __name__ == "__main__":
