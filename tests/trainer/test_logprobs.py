@@ -123,7 +123,7 @@ def test_compute_logprobs_bad_arguments():
 FSDP_SCRIPT = r"""
 import os, sys, torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 from tests.trainer.test_logprobs import _tiny_model, _verl_batch, _naive
 from arpo.trainer.logprobs import compute_logprobs_and_entropy
 for tie in (False, True):
@@ -154,17 +154,14 @@ def test_compute_logprobs_under_fsdp2(tmp_path):
     # The chunked head runs inside the root module's forward, so FSDP2's parameter gathering (tied
     # embeddings included) works unchanged. Own process: a process group is global state.
     import os
-    import socket
     import subprocess
     import sys
     from pathlib import Path
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", FSDP_SCRIPT, str(port)], cwd=root, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    # a file rendezvous: a probed-free TCP port can be taken before the process binds it
+    proc = subprocess.run([sys.executable, "-c", FSDP_SCRIPT, str(tmp_path / "rendezvous")], cwd=root,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
     assert proc.returncode == 0 and "FSDP2-OK" in proc.stdout, proc.stdout + proc.stderr
 
 
@@ -341,8 +338,8 @@ def test_shared_prefix_needs_a_common_unscored_start():
 FSDP_SHARED_PREFIX_SCRIPT = r"""
 import os, sys, torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
-port, rank = sys.argv[1], int(sys.argv[2])
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + port, rank=rank, world_size=2)
+rendezvous, rank = sys.argv[1], int(sys.argv[2])
+dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=rank, world_size=2)
 from tests.trainer.test_logprobs import _tiny_model, _shared_prefix_batch
 from arpo.trainer.logprobs import compute_logprobs_and_entropy
 model, ref = _tiny_model(True), _tiny_model(True)
@@ -373,21 +370,18 @@ os._exit(0)
 
 
 @pytest.mark.slow
-def test_shared_prefix_under_two_rank_fsdp2_with_checkpointing():
+def test_shared_prefix_under_two_rank_fsdp2_with_checkpointing(tmp_path):
     # The prefix pass is a second forward of every FSDP2 module before one backward (two pre/post-backward
     # intervals per module): the gradients must still be one process's.
     import os
-    import socket
     import subprocess
     import sys
     from pathlib import Path
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", FSDP_SHARED_PREFIX_SCRIPT, str(port), str(rank)], cwd=root,
+    rendezvous = str(tmp_path / "rendezvous")
+    procs = [subprocess.Popen([sys.executable, "-c", FSDP_SHARED_PREFIX_SCRIPT, rendezvous, str(rank)], cwd=root,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
              for rank in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
