@@ -146,7 +146,11 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or build_chat_tokenizer(tempfile.mkdtemp(prefix="bench_tok_")))
+    if args.tokenizer:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    else:  # built into a temporary directory, removed once loaded
+        with tempfile.TemporaryDirectory(prefix="bench_tok_") as tmp:
+            tokenizer = AutoTokenizer.from_pretrained(build_chat_tokenizer(tmp))
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SIDES}
     names = list(SIDES)
     for r in range(args.repeats):
