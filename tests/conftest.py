@@ -142,10 +142,13 @@ def _scope(nodeid: str) -> str:
     return SAME_WORKER.get(module, module)
 
 
-#: the last phase's long modules (seconds on 2 busy cores, git 28a18ec) start first, so the two workers finish
-#: together instead of one idling while the other runs a long module
-LAST_PHASE_SECONDS = {"tests/test_main_arpo.py": 360.0, "tests/test_main_arpo_resume.py": 355.0,
-                      "tests/test_pipeline.py": 150.0, "tests/test_pretrained_model.py": 125.0}
+#: the last phase's long modules (seconds in a full `make test` on 2 cores, git b0941cc; main_arpo without the
+#: DAPO test's stalled Ray start) start first, longest first, so the two workers finish together instead of
+#: one idling while the other runs a long module
+LAST_PHASE_SECONDS = {"tests/test_main_arpo.py": 300.0, "tests/test_premise_holds.py": 250.0,
+                      "tests/test_main_arpo_resume.py": 179.0, "tests/test_pipeline_paper.py": 95.0,
+                      "tests/test_pipeline.py": 80.0, "tests/trainer/test_weight_sync.py": 56.0,
+                      "tests/test_pretrained_model.py": 50.0}
 
 
 @pytest.hookimpl(optionalhook=True)
