@@ -11,8 +11,9 @@ from arpo.runtime.logging_utils import setup_logging
 @pytest.fixture
 def vllm_logger(monkeypatch):
     """The ``vllm`` logger as a fresh process has it, restored after. An in-process engine that an earlier test
-    started configured it with vLLM's own config (a handler, no propagation, and the level that process's
-    ``VLLM_LOGGING_LEVEL`` gave, ERROR in one full suite run)."""
+    started configured it with vLLM's own config (a handler, no propagation, and the level of
+    ``VLLM_LOGGING_LEVEL``, which importing trl had set to ERROR; tests/trainer/test_trl_parity.py now undoes
+    that)."""
     logger = logging.getLogger("vllm")
     monkeypatch.setattr(logger, "handlers", [])
     monkeypatch.setattr(logger, "filters", [])

@@ -28,12 +28,14 @@ rounding, and that is asserted first.
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
+_vllm_level = os.environ.get("VLLM_LOGGING_LEVEL")
 pytest.importorskip("trl", reason="TRL is the bench stack's (requirements-bench.txt: make install-bench)")
 
 from datasets import Dataset  # noqa: E402  (after the skip: trl and datasets come together)
@@ -45,6 +47,13 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions", category=UserWarning)
     warnings.filterwarnings("ignore", message=".*torch.jit.script_method", category=DeprecationWarning)
     from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+# Importing trl sets VLLM_LOGGING_LEVEL=ERROR for the whole process (trl/_compat.py). This module is imported
+# when the suite is collected, so every later in-process vLLM engine, and every run the pytest worker starts,
+# would log errors only.
+if _vllm_level is None:
+    os.environ.pop("VLLM_LOGGING_LEVEL", None)
+else:
+    os.environ["VLLM_LOGGING_LEVEL"] = _vllm_level
 
 from arpo.trainer.core_algos import compute_policy_loss  # noqa: E402
 from arpo.trainer.logprobs import compute_logprobs_and_entropy  # noqa: E402
