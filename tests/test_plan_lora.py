@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -44,10 +43,12 @@ def write_tiny_config(out: Path, name: str) -> Path:
     return out
 
 
-def vllm_allocated(cases: list[list]) -> list[int]:
+def vllm_allocated(cases: list[list], rendezvous: str) -> list[int]:
     """Bytes of every LoRA A/B stack vLLM's LoRA model manager allocates on one rank, per case (model_dir, tp,
     fully_sharded, max_loras, rank): the model is built on the meta device (shapes only) and the tensor-parallel
-    group's size faked, as nothing here communicates. Run in a process of its own (vLLM's global state)."""
+    group's size faked, as nothing here communicates. Run in a process of its own (vLLM's global state); its
+    one-rank process group meets through the file ``rendezvous`` (a probed free TCP port can be taken before
+    it is bound)."""
     import types
 
     import torch
@@ -66,10 +67,7 @@ def vllm_allocated(cases: list[list]) -> list[int]:
                          device_config=DeviceConfig("cpu"))
         with set_current_vllm_config(cfg):
             if i == 0:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", 0))
-                    port = s.getsockname()[1]
-                init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
+                init_distributed_environment(1, 0, f"file://{rendezvous}", 0, backend="gloo")
                 initialize_model_parallel(1)
                 real = ps._TP
             ps._TP = types.SimpleNamespace(world_size=tp, rank_in_group=0, rank=0, ranks=list(range(tp)),
@@ -95,9 +93,10 @@ def test_planned_lora_buffers_equal_what_vllm_allocates(tmp_path):
     dirs = {name: str(write_tiny_config(tmp_path / name, name)) for name in MODELS}
     cases = [[dirs[name], tp, sharded, loras, rank] for name, tp, sharded, loras, rank in CASES]
     code = ("import json, sys; from tests.test_plan_lora import vllm_allocated; "
-            "print('RESULT', json.dumps(vllm_allocated(json.loads(sys.argv[1]))))")
+            "print('RESULT', json.dumps(vllm_allocated(json.loads(sys.argv[1]), sys.argv[2])))")
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR", "PYTHONPATH": str(REPO_ROOT)}
-    done = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], cwd=REPO_ROOT, env=env,
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(cases), str(tmp_path / "rendezvous")],
+                          cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-3000:]
