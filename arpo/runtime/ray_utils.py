@@ -60,8 +60,8 @@ def init_ray(cfg: Any = None) -> None:
     # The constant was read when ray was first imported, possibly before the line above.
     ray_constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"].lower() in ("1", "true")
     section = _ray_init_section(cfg)
-    # The raylet gives its Python agents 15 s to report their ports and aborts otherwise; a busy 2-core
-    # machine needs longer (measured here: 15-25 s under load).
+    # How long the raylet waits to register with the GCS (Ray's default 10 s; 15-25 s measured on a busy 2-core
+    # machine). Not the raylet's fixed 15 s wait for its agents' ports (ray-project/ray#65983): the retry below.
     os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
     address = section["address"] if "address" in section else os.environ.get("RAY_ADDRESS")
     runtime_env, log_to_driver = _worker_logging()
