@@ -18,6 +18,7 @@ install-bench: install $(VENV)/.arpo-bench-installed
 
 $(VENV)/.arpo-bench-installed: requirements-bench.txt
 	$(PY) -m uv pip install -q --python $(PY) -r requirements-bench.txt
+	@bash scripts/compile_bytecode.sh $(VENV)
 	@touch $@
 
 # The real-model reproduction (SmolLM2-135M-Instruct): convert, SFT, ARPO, validation before/after with the gain's

@@ -41,6 +41,7 @@ fi
 if ! ldconfig -p 2>/dev/null | grep -q "libseccomp.so.2" && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && apt-get install -y -qq libseccomp2) >/dev/null 2>&1 || echo "warning: could not install libseccomp2; set seccomp: false in configs/tools/python.yaml or install it" >&2
 fi
+bash scripts/compile_bytecode.sh "$VENV"
 # One line: the versions, then the CUDA devices torch sees or "no CUDA device" (scripts/install_check.py says why).
 "$VENV/bin/python" scripts/install_check.py || { echo "install check failed: 'import torch, vllm, transformers, ray' does not work in $VENV (see the error above)"; exit 1; }
 bash scripts/install_stamp.sh record "$VENV" "$REQ"

@@ -2,8 +2,9 @@
 # Which stack a virtual environment holds, and whether `make install` must (re)install it.
 #
 # The stamp file $VENV/.arpo-installed holds one line: the requirements file installed and the sha256 of that file,
-# pyproject.toml and scripts/install.sh together. The stack to install is $ARPO_REQUIREMENTS when set, else the one
-# the stamp names (so `make test` after a GPU install keeps the GPU stack), else requirements.txt (CPU).
+# pyproject.toml, scripts/install.sh and scripts/compile_bytecode.sh together. The stack to install is
+# $ARPO_REQUIREMENTS when set, else the one the stamp names (so `make test` after a GPU install keeps the GPU stack),
+# else requirements.txt (CPU).
 #
 #   install_stamp.sh decide VENV    print "up-to-date REQ" or "install REQ"; exit 2 with one line on stderr when
 #                                   ARPO_REQUIREMENTS names another stack than the one installed: the CPU and GPU
@@ -17,7 +18,7 @@ set -euo pipefail
 ROOT=${ARPO_ROOT:-$(cd "$(dirname "$0")/.." && pwd)}
 
 digest() {  # sha256 of the requirements file and the install inputs, as one hex string
-  (cd "$ROOT" && cat "$1" pyproject.toml scripts/install.sh 2>/dev/null) | sha256sum | cut -d' ' -f1
+  (cd "$ROOT" && cat "$1" pyproject.toml scripts/install.sh scripts/compile_bytecode.sh 2>/dev/null) | sha256sum | cut -d' ' -f1
 }
 
 decide() {

