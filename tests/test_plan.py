@@ -236,3 +236,14 @@ def test_lora_plans_no_reference_copy_and_adapter_only_gradients_and_adamw():
     saved = (12 + b) * shard + CUDA_CONTEXT_BYTES - 16 * adapters + unsharded
     assert full.gpu_tables[0].totals()[i] - lora.gpu_tables[0].totals()[j] == pytest.approx(saved)
     assert not full.fits and lora.fits  # the run that needed use_kl_loss=false fits with LoRA
+
+
+def test_keeping_layers_gathered_through_the_update_costs_all_but_two_layers_on_each_gpu():
+    m = model_shapes(str(QWEN7B))
+    resharded = build_plan(paper_cfg(), 80 * GIB)
+    kept = build_plan(paper_cfg("actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false"), 80 * GIB)
+    assert not kept.settings.reshard_after_forward and resharded.settings.reshard_after_forward
+    phases = kept.gpu_tables[0].phases
+    extra = [a - b for a, b in zip(kept.gpu_tables[0].totals(), resharded.gpu_tables[0].totals())]
+    assert extra[phases.index("actor update")] == pytest.approx((m.layers - 2) * m.layer_numel * 2)  # bf16
+    assert all(x == 0 for p, x in zip(phases, extra) if p != "actor update")

@@ -6,9 +6,10 @@ hidden, KV and MLP widths, L layers, V vocabulary, T tokens of a micro-batch = r
 
 * actor shards: 4s master weights + 8s AdamW m and v, + 4s gradients during the update; reference bs (kept in the compute dtype, as verl does); critic as
   the actor with its value head. With LoRA (``lora_rank`` > 0) gradients and AdamW state cover only the adapters
-  (a shard of r x (in + out) per wrapped linear), and there is no reference copy: the actor's base model serves. FSDP2 working set: the root unit (embeddings, head) and two decoder layers
-  gathered in b, and in the backward the root's and one layer's unsharded gradients (b, plus 4 for a layer's
-  fp32 reduce-scatter copy).
+  (a shard of r x (in + out) per wrapped linear), and there is no reference copy: the actor's base model serves.
+  FSDP2 working set: the root unit (embeddings, head) and two decoder layers gathered in b (in the actor update
+  every layer with ``reshard_after_forward`` false), and in the backward the root's and one layer's unsharded
+  gradients (b, plus 4 for a layer's fp32 reduce-scatter copy).
 * activations a decoder layer saves per token: norms 2(4h + bh) (HF's RMSNorm upcasts to fp32), attention
   b(3h + 2h_kv) (q, k, v, the attention output and o_proj's contiguous input), SwiGLU MLP 4bi (on a CPU under
   autocast: b = 4, plus the bf16 copies of the four linear inputs, 2(3h + i)). Without gradient
@@ -142,6 +143,13 @@ def gathered_param_bytes(m: ModelShapes, s: PlanSettings) -> float:
     return (m.root_numel + 2 * m.layer_numel) * b
 
 
+def kept_gathered_bytes(m: ModelShapes, s: PlanSettings) -> float:
+    """The actor update's further gathered layers when ``reshard_after_forward`` is false: every layer stays
+    unsharded from its forward to its backward, not just the current and prefetched two."""
+    b = s.compute_bytes if s.gpu else 4
+    return 0.0 if s.reshard_after_forward else max(0, m.layers - 2) * m.layer_numel * b
+
+
 def gathered_grad_bytes(m: ModelShapes, s: PlanSettings, critic: bool = False) -> float:
     """FSDP2's unsharded gradients during backward: the root unit's and one layer's (compute dtype, plus the fp32
     reduce copy of the layer). With LoRA the actor's frozen base has none: one layer's adapters only."""
@@ -221,6 +229,9 @@ def training_gpu_table(m: ModelShapes, s: PlanSettings, gpu_bytes: float, with_e
     gathered = gathered_param_bytes(m, s)
     t.add("FSDP2 gathered params (root + 2 layers)",
           {p: gathered for p in phases if p not in ("generation", "weight sync")})
+    if not s.reshard_after_forward:
+        t.add("FSDP2 layers kept gathered through the update (reshard_after_forward false)",
+              {"actor update": kept_gathered_bytes(m, s)})
     t.add("FSDP2 unsharded grads (" + ("actor: 1 layer's LoRA adapters" if s.lora_rank else "root + 1 layer") + ")",
           {p: gathered_grad_bytes(m, s, critic=p == "critic update") for p in ("critic update", "actor update")})
     forward = {"old log-probs": micro_tokens(s, s.logprob_micro_batch),
@@ -291,7 +302,7 @@ def host_rows(m: ModelShapes, s: PlanSettings) -> list[tuple[str, float]]:
     else:  # on a CPU every rank's state, activations and the engine live in host RAM
         shard = m.shard_numel(s.world_size)
         trained = math.ceil(m.lora_numel(s.lora_rank, s.lora_targets) / s.world_size) if s.lora_rank else shard
-        transient = (gathered_param_bytes(m, s) + gathered_grad_bytes(m, s)
+        transient = (gathered_param_bytes(m, s) + kept_gathered_bytes(m, s) + gathered_grad_bytes(m, s)
                      + head_chunk_bytes(m, s, HEAD_BUFFERS_TRAIN)
                      + training_activation_bytes(m, s, micro_tokens(s, s.micro_batch), s.gradient_checkpointing))
         per_rank = 4 * shard + 12 * trained + transient + adamw_step_bytes(4 * trained, transient)

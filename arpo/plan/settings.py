@@ -77,6 +77,8 @@ class PlanSettings:
     lora_serving: str | None = None
     #: with ``lora_serving: adapter``: the engine's LoRA settings, which size vLLM's LoRA buffers
     engine_lora: EngineLoRA | None = None
+    #: actor_rollout_ref.actor.fsdp_config.reshard_after_forward: false keeps every layer gathered through the update
+    reshard_after_forward: bool = True
 
     @property
     def world_size(self) -> int:
@@ -145,6 +147,7 @@ class PlanSettings:
             object_store_bytes=int(_get(cfg, "ray_init.object_store_memory", 2 * 2**30)),
             cpu_kvcache_bytes=int(float(kv_gb) * 2**30),
             lora_serving=serving,
+            reshard_after_forward=bool(_get(cfg, "actor_rollout_ref.actor.fsdp_config.reshard_after_forward", True)),
             engine_lora=engine_lora(lora_rank, kwargs) if serving == "adapter" else None)
 
 

@@ -235,6 +235,10 @@ def validate_actor_config(cfg: Any) -> None:
     if not isinstance(checkpointing, bool):
         raise ConfigError(f"actor_rollout_ref.model.enable_gradient_checkpointing must be true or false, "
                           f"got {checkpointing!r}")
+    reshard = cfg_get(cfg, "actor_rollout_ref.actor.fsdp_config.reshard_after_forward", True)
+    if not isinstance(reshard, bool):
+        raise ConfigError(f"actor_rollout_ref.actor.fsdp_config.reshard_after_forward must be true or false, "
+                          f"got {reshard!r}")
     share_prefix = cfg_get(cfg, "actor_rollout_ref.model.share_prefix", True)
     if not isinstance(share_prefix, bool):
         raise ConfigError(f"actor_rollout_ref.model.share_prefix must be true or false, got {share_prefix!r}")

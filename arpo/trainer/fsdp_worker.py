@@ -344,10 +344,27 @@ class ActorWorker:
         """
         if self.role != "actor" or self.optimizer is None:
             raise RuntimeError("update_policy needs a worker with role='actor' and init_model() called")
+        # FSDP2 reshards each layer after its forward and gathers it again for the backward (and for gradient
+        # checkpointing's recompute inside it). Kept gathered instead, one all-gather per layer and micro-batch is
+        # saved; only around the update, whose every forward has a backward to reshard (a log-prob forward
+        # without one would leave the whole model gathered).
+        keep_gathered = not self.cfg.reshard_after_forward
+        if keep_gathered:
+            self._reshard_layers_after_forward(False)
         try:
             return ppo_update(self, batch, keep_gradients)
         finally:
+            if keep_gathered:
+                self._reshard_layers_after_forward(True)
             release_memory()
+
+    def _reshard_layers_after_forward(self, reshard: bool) -> None:
+        # The layers only: FSDP2 never reshards the root unit after forward, and True on it would add a gather.
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.model.modules():
+            if module is not self.model and isinstance(module, FSDPModule):
+                module.set_reshard_after_forward(reshard, recurse=False)
 
     # ------------------------------------------------------------------------------------------------
     # weights out: engine hand-over, HF export, inspection

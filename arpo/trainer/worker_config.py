@@ -114,6 +114,7 @@ class WorkerConfig:
     cpus_per_worker: float
     seed: int
     save_contents: tuple[str, ...]  # actor_rollout_ref.actor.checkpoint.save_contents
+    reshard_after_forward: bool = True  # actor_rollout_ref.actor.fsdp_config.reshard_after_forward (the update only)
 
     @classmethod
     def from_config(cls, cfg: Any, role: str = "actor") -> "WorkerConfig":
@@ -147,4 +148,5 @@ class WorkerConfig:
             nnodes=int(cfg_get(cfg, "trainer.nnodes", 1)),
             cpus_per_worker=float(cfg_get(cfg, "trainer.cpus_per_worker", 1)),
             seed=int(cfg_get(cfg, "trainer.seed", 0)),
-            save_contents=tuple(cfg_get(actor, "checkpoint.save_contents", ("model", "optimizer", "extra"))))
+            save_contents=tuple(cfg_get(actor, "checkpoint.save_contents", ("model", "optimizer", "extra"))),
+            reshard_after_forward=bool(cfg_get(actor, "fsdp_config.reshard_after_forward", True)))

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from arpo.batch import DataBatch
-from tests.trainer.workers_helpers import (add_training_columns, base_config, max_abs_diff, random_batch,  # noqa: F401
-                                           ray_update, reference_update, small_model, tree_batch)
+from tests.trainer.workers_helpers import (add_training_columns, base_config, max_abs_diff,  # noqa: F401
+                                           one_process_group, random_batch, ray_update, reference_update,
+                                           small_model, tree_batch)
 
 pytestmark = pytest.mark.slow
 
@@ -65,15 +66,18 @@ def test_two_rank_update_equals_one_process(small_model, ray_cluster, checkpoint
     assert "actor/entropy" in metrics and metrics["actor/entropy"] > 0
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient_checkpointing"])
+@pytest.mark.parametrize("checkpointing,reshard", [(False, True), (True, True), (True, False)],
+                         ids=["plain", "gradient_checkpointing", "gradient_checkpointing_layers_kept_gathered"])
 def test_tree_packed_update_on_two_ranks_equals_the_padded_one_process_update(small_model, ray_cluster,
-                                                                               checkpointing):
+                                                                               checkpointing, reshard):
     """ARPO trees (5 prompts x 4 rows with forks), one forward per tree: mini-batches of 3 and 2 trees dealt
     whole to 2 ranks, so one rank has a tree fewer and joins the other's collectives with an empty micro-batch.
-    Log-probs, entropy and gradients are the padded layout's to float rounding (2e-5 relative)."""
+    Log-probs, entropy and gradients are the padded layout's to float rounding (2e-5 relative), also when the
+    update keeps the gathered layers from forward to backward (``reshard_after_forward`` false, make run's)."""
     cfg = base_config(small_model, world=2, tree_packing=True, ppo_mini_batch_size=3)
     cfg["actor_rollout_ref"]["rollout"]["n"] = 4
     cfg["actor_rollout_ref"]["model"]["enable_gradient_checkpointing"] = checkpointing
+    cfg["actor_rollout_ref"]["actor"]["fsdp_config"] = {"reshard_after_forward": reshard}
     batch = tree_batch(5, 4, seed=5)
     assert (batch.non_tensors["parent_index"] >= 0).sum() >= 10
     old, train, metrics, params, grads = ray_update(cfg, batch, seed=6)
@@ -90,6 +94,37 @@ def test_tree_packed_update_on_two_ranks_equals_the_padded_one_process_update(sm
     for key in ("pg_loss", "kl_loss", "grad_norm", "pg_clipfrac", "ppo_kl"):
         expected = sum(m[key] for m in ref_metrics) / len(ref_metrics)
         assert metrics[f"actor/{key}"] == pytest.approx(expected, rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["resharded", "kept_gathered"])
+def test_only_the_update_keeps_layers_gathered_after_their_forward(small_model, one_process_group, reshard):
+    """``fsdp_config.reshard_after_forward`` false: in the update a decoder layer's parameters are still gathered
+    (plain tensors, not DTensor shards) when its forward returns; log-prob passes before and after reshard."""
+    from torch.distributed.tensor import DTensor
+
+    from arpo.trainer.worker_group import LocalWorkerGroup
+
+    cfg = base_config(small_model, world=1)
+    cfg["actor_rollout_ref"]["model"]["enable_gradient_checkpointing"] = False  # one forward per layer and pass
+    cfg["actor_rollout_ref"]["actor"]["fsdp_config"] = {"reshard_after_forward": reshard}
+    group = LocalWorkerGroup(cfg, "actor")
+    sharded_after: list[bool] = []
+    try:
+        layer = group.worker.model.model.layers[0]
+        layer.register_forward_hook(  # runs after FSDP2's own post-forward hook
+            lambda module, args, out: sharded_after.append(all(isinstance(p, DTensor) for p in module.parameters())))
+        batch = random_batch(8, seed=1)
+        old = group.compute_log_prob(batch)
+        before = len(sharded_after)
+        group.update_policy(add_training_columns(batch, old["log_probs"], seed=2))
+        in_update = sharded_after[before:]
+        after = len(sharded_after)
+        group.compute_log_prob(batch)
+    finally:
+        group.shutdown()
+    assert before > 0 and len(in_update) == 8 and len(sharded_after) - after == before  # 8 rows, micro-batch 1
+    assert all(sharded_after[:before]) and all(sharded_after[after:])
+    assert in_update == [reshard] * 8
 
 
 def test_uneven_batch_is_padded_without_changing_the_update(small_model, ray_cluster):
