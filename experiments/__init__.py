@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -35,17 +36,21 @@ def repo_relative(text: str) -> str:
 
 class PeakSampler:
     """Per value, the peak over time of what ``measure()`` returns, sampled every ``interval`` seconds in a thread
-    while the ``with`` block runs (the benchmarks' memory peaks of process trees)."""
+    while the ``with`` block runs (the benchmarks' memory peaks of process trees). ``cpu_seconds``: the CPU time
+    the sampling took, which the measured processes did not get on a small machine."""
 
     def __init__(self, measure: Callable[[], Sequence[float]], interval: float) -> None:
         self.measure, self.interval = measure, interval
         self.peaks: list[float] = []
+        self.cpu_seconds = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while True:
+            start = time.thread_time()
             values = self.measure()
+            self.cpu_seconds += time.thread_time() - start
             self.peaks = [max(p, v) for p, v in zip(self.peaks, values)] if self.peaks else list(values)
             if self._stop.wait(self.interval):
                 return

@@ -126,3 +126,37 @@ def test_a_killed_benchmark_resumes_keeping_the_runs_it_finished(sft_model_dir, 
     printed = json.loads(capsys.readouterr().out)
     assert printed == json.loads(out.read_text()) and printed["runs"][0] == kept
     assert printed["summary"]["float32"]["ours_grpo"]["ratio_to_trl"]["median"] == 0.2
+
+
+
+def test_memory_sampler_reads_rss_and_pss_of_the_process_tree():
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; x = bytearray(200 << 20); time.sleep(30)"])
+    try:
+        while psutil.Process(child.pid).memory_info().rss < 200 << 20:  # the child holds its 200 MB
+            time.sleep(0.05)
+        root = psutil.Process()
+        rss_only, full = bench_peers.tree_rss_pss(root, pss=False), bench_peers.tree_rss_pss(root)
+        assert rss_only[0] > 200 << 20 and rss_only[1] == 0 and full[1] > 200 << 20
+        with bench_peers.tree_memory_sampler(root, interval=0.01) as memory:
+            time.sleep(0.2)
+        assert min(memory.peaks) > 200 << 20 and memory.cpu_seconds > 0  # the first sample reads PSS too
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_memory_sampler_reads_pss_once_every_pss_every_samples(monkeypatch):
+    import time
+
+    flags: list[bool] = []
+    monkeypatch.setattr(bench_peers, "tree_rss_pss", lambda root, pss=True: flags.append(pss) or (1.0, float(pss)))
+    with bench_peers.tree_memory_sampler(object(), interval=0.0005):
+        while len(flags) <= 2 * bench_peers.PSS_EVERY:
+            time.sleep(0.001)
+    assert [i for i, pss in enumerate(flags) if pss][:3] == [0, bench_peers.PSS_EVERY, 2 * bench_peers.PSS_EVERY]
