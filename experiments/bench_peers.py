@@ -8,8 +8,9 @@ sides (``--sides``):
 
 - ``trl``: TRL's ``GRPOTrainer`` with its defaults for everything the job leaves open (loss_type ``dapo``, the
   global token mean, which is our ``token-mean``: tests/trainer/test_trl_parity.py), generating with
-  ``--trl-generation`` (``hf``: ``model.generate``; ``continuous``: transformers' continuous batching; ``vllm``: TRL's
-  vLLM colocate mode, its fastest on a GPU; see experiments/results/peers/README.md for which run on a CPU);
+  ``--trl-generation`` (``continuous``, the default: transformers' continuous batching, TRL's fastest on a CPU;
+  ``hf``: ``model.generate``; ``vllm``: TRL's vLLM colocate mode, its fastest on a GPU; see
+  experiments/results/peers/README.md for which run on a CPU);
 - ``ours_grpo``: ``python -m arpo.main_arpo preset=grpo`` on verl's single-turn agent loop: the same single
   generation per completion, through vLLM, Ray and FSDP2 ranks;
 - ``ours_arpo``: our ARPO step as ``make run`` trains it (tools, the entropy-forked tree, M = ``--n``): more work
@@ -19,8 +20,9 @@ Each side runs in its own process (Ray, vLLM and TRL never share one), ``--repea
 at each ``--dtypes`` value. Per run: seconds per step (the median of the steps after ``--warmup``; model
 loading and start-up are outside the step on both sides), generated tokens/s (completion tokens the model
 sampled / step seconds), trained tokens/s (prompt + completion tokens in the update / step seconds), and peak
-memory (the largest sum over the run's process tree, RSS and PSS, sampled each 0.5 s). Per side and dtype the
-median and range over repeats, and ``ratio_to_trl`` = ours / TRL's seconds per step, paired by repeat.
+memory (the largest sum over the run's process tree: RSS sampled each 0.5 s, PSS each 10 s, since reading a large
+process's PSS costs a measurable share of a small machine; the sampling's CPU seconds are in each run). Per side
+and dtype the median and range over repeats, and ``ratio_to_trl`` = ours / TRL's seconds per step, paired by repeat.
 Prints one JSON object on stdout (``--out`` also writes it, after every run, so a killed benchmark keeps what it
 measured); each run's log goes to ``--work-dir``. Rerun with the same ``--work-dir`` and job, a killed benchmark
 resumes: a run that finished there (its ``result.json``) is kept, not run again.
@@ -333,8 +335,8 @@ def _spread(cell: dict[str, Any] | None, digits: int = 1) -> str:
 
 
 def write_table(folder: Path) -> dict[str, Any]:
-    """``folder/table.md`` from every bench_peers JSON in ``folder``: per machine, dtype and side the medians and
-    ranges over repeats, and ours / TRL's step time."""
+    """``folder/table.md`` from every bench_peers JSON in ``folder``: per machine, dtype, TRL's generation and side
+    the medians and ranges over repeats, and ours / TRL's step time."""
     rows = []
     for path in sorted(folder.glob("*.json")):
         result = json.loads(path.read_text())
@@ -343,18 +345,21 @@ def write_table(folder: Path) -> dict[str, Any]:
         m = result["machine"]
         machine = f"{m['cpu_model']}, {m['cpus']} cpus, torch {m['torch_cpu_capability']}" + (
             f", {m['gpu']}" if m.get("gpu") else "")
+        job = result.get("job", {})
+        trl = job.get("trl_generation", "hf") + (", bf16 weights" if job.get("trl_bf16_weights") else "")
         for dtype, sides in result["summary"].items():
             for side, row in sides.items():
-                rows.append({"file": path.name, "machine": machine, "dtype": dtype, "side": side,
+                rows.append({"file": path.name, "machine": machine, "dtype": dtype, "trl_config": trl, "side": side,
                              "repeats": row["repeats"], "step_s": row.get("step_s"),
                              "generated_tokens_per_s": row.get("generated_tokens_per_s"),
                              "trained_tokens_per_s": row.get("trained_tokens_per_s"),
                              "peak_pss_gb": row.get("peak_pss_gb"), "ratio_to_trl": row.get("ratio_to_trl"),
                              "commit": m["git_sha"][:7]})
-    lines = ["| machine | dtype | side | repeats | s / step | generated tok/s | trained tok/s | peak PSS GB | "
-             "ours / TRL (s / step) | commit | file |", "|" + "---|" * 11]
+    lines = ["| machine | dtype | TRL generates with | side | repeats | s / step | generated tok/s | trained tok/s | "
+             "peak PSS GB | ours / TRL (s / step) | commit | file |", "|" + "---|" * 12]
     for r in rows:
-        lines.append(f"| {r['machine']} | {r['dtype']} | {r['side']} | {r['repeats']} | {_spread(r['step_s'])} | "
+        lines.append(f"| {r['machine']} | {r['dtype']} | {r['trl_config']} | {r['side']} | {r['repeats']} | "
+                     f"{_spread(r['step_s'])} | "
                      f"{_spread(r['generated_tokens_per_s'])} | {_spread(r['trained_tokens_per_s'])} | "
                      f"{_spread(r['peak_pss_gb'], 2)} | {_spread(r['ratio_to_trl'], 3)} | {r['commit']} | "
                      f"`{r['file']}` |")
@@ -383,7 +388,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="torch threads of TRL's process; our side splits the same cores over its ranks and engine")
-    p.add_argument("--trl-generation", choices=TRL_GENERATION, default="hf")
+    p.add_argument("--trl-generation", choices=TRL_GENERATION, default="continuous",
+                   help="TRL's generation (default: continuous batching, its fastest on a CPU)")
     p.add_argument("--trl-bf16-weights", action="store_true",
                    help="TRL at bfloat16 keeps its weights in bf16 instead of mixed precision over float32 weights")
     p.add_argument("--work-dir", type=Path, default=None, help="runs' logs and outputs (default: a temporary dir)")

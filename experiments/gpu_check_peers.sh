@@ -45,7 +45,9 @@ step() {  # name, command...: its stdout to OUT/name.json, stderr to OUT/name.lo
   echo "== $name"
   timeout "${STEP_TIMEOUT:-300}" "$@" >"$out/$name.json" 2>"$out/$name.log" || { echo "FAILED $name"; tail -5 "$out/$name.log"; status=1; }
 }
+# TRL generating with model.generate, like our HF engine's generation below (vLLM cannot travel to this machine)
 step trl "$py" experiments/bench_peers.py --model "$model" --data "$prompts" --sides trl --dtypes bfloat16 \
+  --trl-generation hf \
   --prompts "$prompts_n" --n "$n" --max-response-length "$resp" --steps "$steps" --warmup 1 \
   --repeats "$repeats" --threads 8 --work-dir /tmp/peers_work
 step ours_update "$py" experiments/bench_trainer.py --model "$model" --no-ray --ranks 1 --settings multi \

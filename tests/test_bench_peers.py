@@ -83,13 +83,15 @@ def test_table_gathers_every_machine_s_json(tmp_path, capsys):
             for s, r, t in [("trl", 0, 100.0), ("ours_grpo", 0, 10.0)]]
     machine = {"cpu_model": "Some CPU", "cpus": 2, "torch_cpu_capability": "AVX512", "git_sha": "abcdef0123"}
     (tmp_path / "amx.json").write_text(json.dumps({"benchmark": "bench_peers", "machine": machine,
+                                                   "job": {"trl_generation": "continuous", "trl_bf16_weights": True},
                                                    "summary": bench_peers.summarize(runs)}))
     (tmp_path / "other.json").write_text(json.dumps({"benchmark": "something else"}))
     assert bench_peers.main(["--table", str(tmp_path)]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert [(r["side"], r["dtype"]) for r in printed["rows"]] == [("trl", "bfloat16"), ("ours_grpo", "bfloat16")]
     table = (tmp_path / "table.md").read_text()
-    assert "| Some CPU, 2 cpus, torch AVX512 | bfloat16 | ours_grpo | 1 | 10.0 [10.0, 10.0] |" in table
+    assert ("| Some CPU, 2 cpus, torch AVX512 | bfloat16 | continuous, bf16 weights | ours_grpo | 1 | 10.0 [10.0, "
+            "10.0] |") in table
     assert "| 0.100 [0.100, 0.100] | abcdef0 | `amx.json` |" in table
 
 
