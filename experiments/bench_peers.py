@@ -213,7 +213,7 @@ def trl_child(job: dict[str, Any], dtype: str, out: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 #: PSS (``/proc/<pid>/smaps_rollup``) costs ~0.14 s of CPU for a 13 GB process, RSS (``statm``) ~40 us: at every
-#: 0.5 s sample the PSS alone took a fifth of a core from the 2-core machine's measured run
+#: 0.5 s sample the sampler took 0.4-0.5 of a core (top) from the 2-core machine's measured run
 PSS_EVERY = 20
 
 
