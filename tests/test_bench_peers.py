@@ -130,7 +130,6 @@ def test_a_killed_benchmark_resumes_keeping_the_runs_it_finished(sft_model_dir, 
     assert printed["summary"]["float32"]["ours_grpo"]["ratio_to_trl"]["median"] == 0.2
 
 
-
 def test_memory_sampler_reads_rss_and_pss_of_the_process_tree():
     import subprocess
     import sys
