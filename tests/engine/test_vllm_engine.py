@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import shutil
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from vllm.platforms import current_platform  # noqa: E402
 from arpo.engine.base import GenerationEngine, SamplingParams  # noqa: E402
 from arpo.engine.hf_engine import HFEngine  # noqa: E402
 from arpo.engine.vllm_engine import VLLMEngine  # noqa: E402
-from arpo.engine.weights import default_weights_dir, save_weights_for_engine, state_dict_buckets  # noqa: E402
+from arpo.engine.weights import save_weights_for_engine, state_dict_buckets  # noqa: E402
 from arpo.protocol import stop_strings  # noqa: E402
 from tests.engine.helpers import LESSONS, REFERENCE_DTYPE, encode, reference_logprobs  # noqa: E402
 
@@ -153,20 +152,6 @@ def test_a_token_listener_sees_tokens_as_they_come_and_changes_no_output(run, en
         (whole.token_ids, whole.text, whole.finish_reason)
     assert sum(chunks) == len(whole.token_ids) and len(chunks) > 1  # several chunks, before the request ended
     assert with_logprobs.token_ids == whole.token_ids and with_logprobs.logprobs
-
-
-@pytest.fixture
-def shm_dirs():
-    """Weight directories in /dev/shm (as the trainer uses), removed whatever the test's outcome."""
-    made = []
-
-    def make():
-        made.append(default_weights_dir())
-        return made[-1]
-
-    yield make
-    for d in made:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_update_weights_and_prefix_cache_reset(run, engine, tiny_model_dir, taught_model_dir, shm_dirs):
