@@ -12,7 +12,8 @@ sides (``--sides``):
   ``hf``: ``model.generate``; ``vllm``: TRL's vLLM colocate mode, its fastest on a GPU; see
   experiments/results/peers/README.md for which run on a CPU);
 - ``ours_grpo``: ``python -m arpo.main_arpo preset=grpo`` on verl's single-turn agent loop: the same single
-  generation per completion, through vLLM, Ray and FSDP2 ranks;
+  generation per completion, through vLLM, Ray and FSDP2 ranks, with ``--ours-set`` overrides (by default vLLM
+  and the actor's decoder layers compiled: our fastest configuration on a CPU, as TRL gets its own);
 - ``ours_arpo``: our ARPO step as ``make run`` trains it (tools, the entropy-forked tree, M = ``--n``): more work
   per step than the other two (tool calls and results), reported beside them, not divided by them.
 
@@ -25,7 +26,8 @@ process's PSS costs a measurable share of a small machine; the sampling's CPU se
 and dtype the median and range over repeats, and ``ratio_to_trl`` = ours / TRL's seconds per step, paired by repeat.
 Prints one JSON object on stdout (``--out`` also writes it, after every run, so a killed benchmark keeps what it
 measured); each run's log goes to ``--work-dir``. Rerun with the same ``--work-dir`` and job, a killed benchmark
-resumes: a run that finished there (its ``result.json``) is kept, not run again.
+resumes: a run that finished there (its ``result.json``) for the same job is kept, not run again; a TRL run stays
+valid when only ``--ours-set`` changed, ours when only the TRL flags did.
 
     python experiments/bench_peers.py                               # make run's SFT model and data (run it first)
     python experiments/bench_peers.py --model DIR --data DIR/train.parquet --dtypes bfloat16 float32 --repeats 3 \\
@@ -57,9 +59,10 @@ from experiments import REPO, PeakSampler, environ_with, repo_path, repo_relativ
 SIDES = ("trl", "ours_grpo", "ours_arpo")
 DTYPES = ("bfloat16", "float32")
 TRL_GENERATION = ("hf", "continuous", "vllm")
-#: our sides' overrides unless --ours-set: vLLM compiled on a CPU (1.4x faster decoding, ~1 min longer start-up,
-#: outside the step), CUDA graphs on a GPU (its default anyway); TRL gets its fastest generation too
-OURS_DEFAULT = ("actor_rollout_ref.rollout.enforce_eager=false",)
+#: our sides' overrides unless --ours-set, our fastest configuration as TRL gets its own: vLLM compiled on a CPU
+#: (1.4x faster decoding, ~1 min longer start-up, outside the step; CUDA graphs on a GPU, its default anyway) and
+#: the actor's decoder layers compiled (-7% update; compiled in the warm-up step)
+OURS_DEFAULT = ("actor_rollout_ref.rollout.enforce_eager=false", "actor_rollout_ref.actor.use_torch_compile=true")
 #: make run's outputs (python -m arpo.pipeline --preset smollm2)
 DEFAULT_RUN = REPO / "outputs" / "smollm2_arpo"
 
@@ -339,11 +342,17 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 if values:
                     row[key] = {"median": round(statistics.median(values), 2), "min": min(values),
                                 "max": max(values)}
-            trl = {r["repeat"]: r["step_s"] for r in here if r["side"] == "trl"}
-            ratios = [r["step_s"] / trl[r["repeat"]] for r in mine if side != "trl" and r["repeat"] in trl]
-            if ratios:
-                row["ratio_to_trl"] = {"median": round(statistics.median(ratios), 3),
-                                       "min": round(min(ratios), 3), "max": round(max(ratios), 3)}
+            trl = {r["repeat"]: r for r in here if r["side"] == "trl"}
+            paired = [(r, trl[r["repeat"]]) for r in mine if side != "trl" and r["repeat"] in trl]
+            # Per trained token too: the two sides sample their completions, so a step's work differs by its
+            # lengths (±10% over one step of 64 completions), and the update's time follows them.
+            for key, ratios in (("ratio_to_trl", [o["step_s"] / t["step_s"] for o, t in paired]),
+                                ("ratio_to_trl_per_trained_token",
+                                 [t["trained_tokens_per_s"] / o["trained_tokens_per_s"] for o, t in paired
+                                  if "trained_tokens_per_s" in o and "trained_tokens_per_s" in t])):
+                if ratios:
+                    row[key] = {"median": round(statistics.median(ratios), 3),
+                                "min": round(min(ratios), 3), "max": round(max(ratios), 3)}
             table[side] = row
         out[dtype] = table
     return out
@@ -357,7 +366,7 @@ def _spread(cell: dict[str, Any] | None, digits: int = 1) -> str:
 
 def write_table(folder: Path) -> dict[str, Any]:
     """``folder/table.md`` from every bench_peers JSON in ``folder``: per machine, dtype, TRL's generation and side
-    the medians and ranges over repeats, and ours / TRL's step time."""
+    the medians and ranges over repeats, and ours / TRL's step time and time per trained token."""
     rows = []
     for path in sorted(folder.glob("*.json")):
         result = json.loads(path.read_text())
@@ -375,15 +384,18 @@ def write_table(folder: Path) -> dict[str, Any]:
                              "generated_tokens_per_s": row.get("generated_tokens_per_s"),
                              "trained_tokens_per_s": row.get("trained_tokens_per_s"),
                              "peak_pss_gb": row.get("peak_pss_gb"), "ratio_to_trl": row.get("ratio_to_trl"),
-                             "commit": m["git_sha"][:7]})
-    lines = ["| machine | dtype | TRL generates with | side | repeats | s / step | generated tok/s | trained tok/s | "
-             "peak PSS GB | ours / TRL (s / step) | commit | file |", "|" + "---|" * 12]
+                             "ratio_per_token": row.get("ratio_to_trl_per_trained_token"),
+                             "ours_set": " ".join(job.get("ours_overrides", [])) or "–", "commit": m["git_sha"][:7]})
+    lines = ["| machine | dtype | TRL generates with | our overrides | side | repeats | s / step | generated tok/s | "
+             "trained tok/s | peak PSS GB | ours / TRL (s / step) | ours / TRL (s / trained token) | commit | file |",
+             "|" + "---|" * 14]
     for r in rows:
-        lines.append(f"| {r['machine']} | {r['dtype']} | {r['trl_config']} | {r['side']} | {r['repeats']} | "
-                     f"{_spread(r['step_s'])} | "
+        ours_set = "–" if r["side"] == "trl" else f"`{r['ours_set']}`" if r["ours_set"] != "–" else "–"
+        lines.append(f"| {r['machine']} | {r['dtype']} | {r['trl_config']} | {ours_set} | {r['side']} | "
+                     f"{r['repeats']} | {_spread(r['step_s'])} | "
                      f"{_spread(r['generated_tokens_per_s'])} | {_spread(r['trained_tokens_per_s'])} | "
-                     f"{_spread(r['peak_pss_gb'], 2)} | {_spread(r['ratio_to_trl'], 3)} | {r['commit']} | "
-                     f"`{r['file']}` |")
+                     f"{_spread(r['peak_pss_gb'], 2)} | {_spread(r['ratio_to_trl'], 3)} | "
+                     f"{_spread(r['ratio_per_token'], 3)} | {r['commit']} | `{r['file']}` |")
     (folder / "table.md").write_text("Median [min, max] over repeats (`python experiments/bench_peers.py --table "
                                      f"{repo_path(folder)}`).\n\n" + "\n".join(lines) + "\n")
     return {"benchmark": "bench_peers", "table": repo_path(folder / "table.md"), "rows": rows}
@@ -414,8 +426,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--trl-bf16-weights", action="store_true",
                    help="TRL at bfloat16 keeps its weights in bf16 instead of mixed precision over float32 weights")
     p.add_argument("--ours-set", action="append", metavar="KEY=VALUE", default=None,
-                   help="a config override for our sides (repeatable; default: " + " ".join(OURS_DEFAULT) + ", "
-                        "vLLM compiled, our fastest CPU decoding; --ours-set none: none)")
+                   help="a config override for our sides (repeatable; default: " + " ".join(OURS_DEFAULT) + ": "
+                        "vLLM and the actor's layers compiled, our fastest on a CPU; --ours-set none: none)")
     p.add_argument("--work-dir", type=Path, default=None, help="runs' logs and outputs (default: a temporary dir)")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     p.add_argument("--table", type=Path, default=None,

@@ -35,7 +35,8 @@ def test_our_sides_compose_the_job_and_pass_start_up_validation(sft_model_dir, t
     assert cfg.actor_rollout_ref.model.dtype == cfg.actor_rollout_ref.rollout.dtype == "float32"
     assert cfg.data.train_files == job["prompts_file"] and cfg.trainer.val_before_train is False
     assert cfg.algorithm.use_kl_in_reward is False and cfg.actor_rollout_ref.actor.use_kl_loss is False  # TRL's beta 0
-    assert cfg.actor_rollout_ref.rollout.enforce_eager is False  # our fastest CPU decoding: vLLM compiled
+    # our fastest CPU configuration: vLLM and the actor's decoder layers compiled
+    assert cfg.actor_rollout_ref.rollout.enforce_eager is False and cfg.actor_rollout_ref.actor.use_torch_compile
     if side == "ours_grpo":  # the single-turn loop: the prompts file has no agent_name
         assert cfg.actor_rollout_ref.rollout.mode == "agent_loop" and cfg.algorithm.adv_estimator == "grpo"
         assert cfg.actor_rollout_ref.rollout.agent.default_agent_loop == "single_turn_agent"
@@ -70,30 +71,35 @@ def test_trl_side_trains_the_job_and_reports_step_time_tokens_and_memory(sft_mod
 
 
 def test_summary_pairs_each_of_our_repeats_with_trls_of_the_same_repeat():
-    runs = [{"side": s, "dtype": "bfloat16", "repeat": r, "step_s": t, "peak_rss_gb": 1.0}
-            for s, r, t in [("trl", 0, 100.0), ("trl", 1, 50.0), ("ours_grpo", 0, 10.0), ("ours_grpo", 1, 10.0)]]
+    runs = [{"side": s, "dtype": "bfloat16", "repeat": r, "step_s": t, "peak_rss_gb": 1.0, "trained_tokens_per_s": k}
+            for s, r, t, k in [("trl", 0, 100.0, 10.0), ("trl", 1, 50.0, 20.0), ("ours_grpo", 0, 10.0, 125.0),
+                               ("ours_grpo", 1, 10.0, 80.0)]]
     runs.append({"side": "ours_arpo", "dtype": "bfloat16", "repeat": 0, "error": "failed"})  # no step time
     summary = bench_peers.summarize(runs)["bfloat16"]
     assert summary["ours_grpo"]["ratio_to_trl"] == {"median": 0.15, "min": 0.1, "max": 0.2}
+    # per trained token: TRL's tokens/s over ours, repeat by repeat (10/125 and 20/80)
+    assert summary["ours_grpo"]["ratio_to_trl_per_trained_token"] == {"median": 0.165, "min": 0.08, "max": 0.25}
     assert summary["trl"]["step_s"] == {"median": 75.0, "min": 50.0, "max": 100.0}
     assert "ratio_to_trl" not in summary["trl"] and "ours_arpo" not in summary
 
 
 def test_table_gathers_every_machine_s_json(tmp_path, capsys):
-    runs = [{"side": s, "dtype": "bfloat16", "repeat": r, "step_s": t, "peak_pss_gb": 2.0}
-            for s, r, t in [("trl", 0, 100.0), ("ours_grpo", 0, 10.0)]]
+    runs = [{"side": s, "dtype": "bfloat16", "repeat": r, "step_s": t, "peak_pss_gb": 2.0, "trained_tokens_per_s": k}
+            for s, r, t, k in [("trl", 0, 100.0, 10.0), ("ours_grpo", 0, 10.0, 80.0)]]
     machine = {"cpu_model": "Some CPU", "cpus": 2, "torch_cpu_capability": "AVX512", "git_sha": "abcdef0123"}
     (tmp_path / "amx.json").write_text(json.dumps({"benchmark": "bench_peers", "machine": machine,
-                                                   "job": {"trl_generation": "continuous", "trl_bf16_weights": True},
+                                                   "job": {"trl_generation": "continuous", "trl_bf16_weights": True,
+                                                           "ours_overrides": ["a.b=false"]},
                                                    "summary": bench_peers.summarize(runs)}))
     (tmp_path / "other.json").write_text(json.dumps({"benchmark": "something else"}))
     assert bench_peers.main(["--table", str(tmp_path)]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert [(r["side"], r["dtype"]) for r in printed["rows"]] == [("trl", "bfloat16"), ("ours_grpo", "bfloat16")]
     table = (tmp_path / "table.md").read_text()
-    assert ("| Some CPU, 2 cpus, torch AVX512 | bfloat16 | continuous, bf16 weights | ours_grpo | 1 | 10.0 [10.0, "
-            "10.0] |") in table
-    assert "| 0.100 [0.100, 0.100] | abcdef0 | `amx.json` |" in table
+    assert ("| Some CPU, 2 cpus, torch AVX512 | bfloat16 | continuous, bf16 weights | `a.b=false` | ours_grpo | 1 | "
+            "10.0 [10.0, 10.0] |") in table
+    assert "| 0.100 [0.100, 0.100] | 0.125 [0.125, 0.125] | abcdef0 | `amx.json` |" in table
+    assert "| continuous, bf16 weights | – | trl | 1 |" in table
 
 
 def test_bad_sizes_are_one_clear_error(sft_model_dir, tmp_path, capsys):

@@ -239,6 +239,9 @@ def validate_actor_config(cfg: Any) -> None:
     if not isinstance(reshard, bool):
         raise ConfigError(f"actor_rollout_ref.actor.fsdp_config.reshard_after_forward must be true or false, "
                           f"got {reshard!r}")
+    compiled = cfg_get(cfg, "actor_rollout_ref.actor.use_torch_compile", False)
+    if not isinstance(compiled, bool):
+        raise ConfigError(f"actor_rollout_ref.actor.use_torch_compile must be true or false, got {compiled!r}")
     share_prefix = cfg_get(cfg, "actor_rollout_ref.model.share_prefix", True)
     if not isinstance(share_prefix, bool):
         raise ConfigError(f"actor_rollout_ref.model.share_prefix must be true or false, got {share_prefix!r}")

@@ -32,7 +32,7 @@ from arpo.trainer.lora import (MergedLinear, adapters_disabled, apply_lora, has_
 from arpo.trainer.micro_batches import dummy_micro_batch, plan_micro_batches
 from arpo.trainer.memory import configure_allocator, memory_stats, release_memory
 from arpo.trainer.optim import build_optimizer
-from arpo.trainer.model_init import materialize_from_rank0, shard_model
+from arpo.trainer.model_init import compile_blocks, materialize_from_rank0, shard_model
 from arpo.trainer.tree_attention import use_tree_attention
 from arpo.trainer.tree_packing import pack_micro_batch, packed_logprobs_and_entropy
 from arpo.trainer.worker_config import WorkerConfig
@@ -154,6 +154,8 @@ class ActorWorker:
             mp = MixedPrecisionPolicy(param_dtype=self.settings.compute_dtype, reduce_dtype=torch.float32)
         shard_model(model, mesh, mp)
         materialize_from_rank0(model, loaded, self.device)
+        if self.cfg.use_torch_compile:
+            compile_blocks(model)
         del loaded
         self.model = model
 

@@ -23,14 +23,29 @@ def shard_model(model: torch.nn.Module, mesh: Any, mp_policy: Any = None) -> Non
     kwargs: dict[str, Any] = {"mesh": mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
+    for block in transformer_blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers: the modules of the classes its ``_no_split_modules`` names (also once FSDP2 has
+    made each an ``FSDP<name>`` subclass)."""
     block_names = set(getattr(model, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in block_names]
+    blocks = [m for m in model.modules() if any(c.__name__ in block_names for c in type(m).__mro__)]
     if not blocks:
         raise ValueError(f"{type(model).__name__} names no transformer block class in _no_split_modules; "
                          f"cannot shard it layer by layer")
-    for block in blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    return blocks
+
+
+def compile_blocks(model: torch.nn.Module) -> None:
+    """torch.compile each decoder layer in place (compiled at its first forward). Dynamic shapes, since every
+    micro-batch has its own length; FSDP2's hooks stay outside the graph (dynamo skips them), and the tree
+    attention's per-segment loop is excluded (arpo.trainer.tree_attention), which traced would recompile for
+    every batch's segments."""
+    for block in transformer_blocks(model):
+        block.compile(dynamic=True)
 
 
 def materialize_from_rank0(model: torch.nn.Module, loaded: torch.nn.Module | None, device: torch.device) -> None:

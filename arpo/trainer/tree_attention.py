@@ -62,6 +62,7 @@ def tree_segments(prompt_len: int, own: list[tuple[int, int]], context: list[lis
     return segments
 
 
+@torch.compiler.disable  # segments differ per batch: traced, each batch's loop would be a new graph
 def tree_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                         tree_segments: list[TreeSegment] | None = None, **kwargs) -> tuple[torch.Tensor, None]:

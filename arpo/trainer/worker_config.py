@@ -115,6 +115,7 @@ class WorkerConfig:
     seed: int
     save_contents: tuple[str, ...]  # actor_rollout_ref.actor.checkpoint.save_contents
     reshard_after_forward: bool = True  # actor_rollout_ref.actor.fsdp_config.reshard_after_forward (the update only)
+    use_torch_compile: bool = False     # actor_rollout_ref.actor.use_torch_compile (the actor's decoder layers)
 
     @classmethod
     def from_config(cls, cfg: Any, role: str = "actor") -> "WorkerConfig":
@@ -149,4 +150,5 @@ class WorkerConfig:
             cpus_per_worker=float(cfg_get(cfg, "trainer.cpus_per_worker", 1)),
             seed=int(cfg_get(cfg, "trainer.seed", 0)),
             save_contents=tuple(cfg_get(actor, "checkpoint.save_contents", ("model", "optimizer", "extra"))),
-            reshard_after_forward=bool(cfg_get(actor, "fsdp_config.reshard_after_forward", True)))
+            reshard_after_forward=bool(cfg_get(actor, "fsdp_config.reshard_after_forward", True)),
+            use_torch_compile=role == "actor" and bool(cfg_get(actor, "use_torch_compile", False)))

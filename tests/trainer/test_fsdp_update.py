@@ -227,3 +227,37 @@ def test_bf16_ranks_autocast_and_agree_with_fp32(small_model, ray_cluster):
     assert 0 < float(err) <= 2 * 2.0 ** -8 * max_logit
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
     assert all(p.dtype == torch.float32 for p in params.values())  # master weights stay fp32
+
+
+def test_compiled_decoder_layers_give_the_eager_log_probs_gradients_and_update(small_model, one_process_group):
+    """``actor.use_torch_compile``: with the decoder layers compiled (tree-packed ARPO groups, gradient
+    checkpointing, float32, one FSDP2 process) the log-probs, entropy, gradients and weights are the eager ones to
+    float rounding, and the per-segment attention stays out of the graphs."""
+    from torch._dynamo.utils import counters
+
+    from arpo.trainer.worker_group import LocalWorkerGroup
+
+    cfg = base_config(small_model, world=1, tree_packing=True, ppo_mini_batch_size=3)
+    cfg["actor_rollout_ref"]["rollout"]["n"] = 4
+    batch = tree_batch(3, 4, seed=5)
+    runs = {}
+    for compiled in (False, True):
+        cfg["actor_rollout_ref"]["actor"]["use_torch_compile"] = compiled
+        counters.clear()
+        group = LocalWorkerGroup(cfg, "actor")
+        try:
+            old = group.compute_log_prob(batch)
+            metrics = group.update_policy(add_training_columns(batch, old["log_probs"], seed=6), keep_gradients=True)
+            runs[compiled] = (old, metrics, group.full_parameters(), group.full_gradients())
+        finally:
+            group.shutdown()
+        graphs = counters["stats"]["unique_graphs"]
+        assert (graphs > 0) if compiled else graphs == 0
+    (old_e, m_e, p_e, g_e), (old_c, m_c, p_c, g_c) = runs[False], runs[True]
+    assert torch.allclose(old_c["log_probs"], old_e["log_probs"], atol=1e-5)
+    assert torch.allclose(old_c["entropy"], old_e["entropy"], atol=1e-5)
+    for name, g in g_e.items():
+        assert (g_c[name] - g).abs().max() <= 2e-5 * g.abs().max() + 1e-9, name
+    assert max_abs_diff(p_c, p_e) < 1e-5
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/pg_clipfrac"):
+        assert m_c[key] == pytest.approx(m_e[key], rel=1e-5, abs=1e-6), key

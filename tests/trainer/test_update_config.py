@@ -52,6 +52,20 @@ def test_share_prefix_key_must_be_a_boolean():
     assert "\n" not in str(err.value)
 
 
+def test_use_torch_compile_key_must_be_a_boolean_and_reaches_the_actor_only():
+    from arpo.trainer.worker_config import WorkerConfig
+
+    cfg = _cfg()
+    cfg["actor_rollout_ref"]["actor"]["use_torch_compile"] = True
+    validate_actor_config(cfg)
+    assert WorkerConfig.from_config(cfg, "actor").use_torch_compile
+    assert not WorkerConfig.from_config(cfg, "ref").use_torch_compile  # the key is the actor's
+    cfg["actor_rollout_ref"]["actor"]["use_torch_compile"] = "yes"
+    with pytest.raises(ConfigError, match="actor_rollout_ref.actor.use_torch_compile must be true or false") as err:
+        validate_actor_config(cfg)
+    assert "\n" not in str(err.value)
+
+
 def test_tree_packing_needs_a_boolean_and_a_kernel_that_takes_a_tree_mask():
     cfg = _cfg()
     cfg["actor_rollout_ref"]["model"]["tree_packing"] = "yes"
