@@ -5,6 +5,7 @@ Stdout carries that object and nothing else; logs (vLLM's included) go to stderr
     python experiments/bench_engine.py --model outputs/models/tiny-base
     python experiments/bench_engine.py --model PATH --prompts 64 --prompt-len 256 --max-tokens 256 --repeats 3
     python experiments/bench_engine.py --model PATH --backends vllm --dtype float32,bfloat16   # one row per dtype
+    python experiments/bench_engine.py --model PATH --backends vllm --enforce-eager false       # vLLM compiled
     python experiments/bench_engine.py --model PATH --backends hf --prompts 2 --prompt-len 16 --max-tokens 8 \\
         --repeats 1                                                                            # smoke: seconds
 
@@ -49,7 +50,7 @@ async def one_round(engine, prompts: list[list[int]], sp: SamplingParams, tag: s
 
 
 async def bench_backend(name: str, model: str, prompts, sp: SamplingParams, repeats: int, max_model_len: int,
-                        dtype: str = "auto") -> dict:
+                        dtype: str = "auto", enforce_eager: bool | None = None) -> dict:
     import_start = time.perf_counter()
     if name == "vllm":
         import vllm  # noqa: F401
@@ -61,7 +62,7 @@ async def bench_backend(name: str, model: str, prompts, sp: SamplingParams, repe
         from arpo.engine.hf_engine import HFEngine as Engine
     import_s = time.perf_counter() - import_start
     cfg = EngineConfig(model_path=model, name=name, max_model_len=max_model_len, hf_max_batch_size=len(prompts),
-                       dtype=dtype)
+                       dtype=dtype, enforce_eager=enforce_eager)
     start = time.perf_counter()
     engine = Engine(cfg)
     startup_s = time.perf_counter() - start
@@ -91,6 +92,9 @@ async def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto", help="engine dtype(s), comma-separated: auto | float32 | bfloat16; "
                                                      "each backend runs once per dtype (key <backend>@<dtype>)")
+    ap.add_argument("--enforce-eager", choices=("auto", "true", "false"), default="auto",
+                    help="vLLM's enforce_eager (actor_rollout_ref.rollout.enforce_eager): auto = by device (eager on "
+                         "CPU); false on CPU compiles the model")
     args = ap.parse_args()
     from arpo.runtime.logging_utils import json_stdout, setup_logging
 
@@ -107,13 +111,16 @@ async def main() -> None:
     max_model_len = args.prompt_len + args.max_tokens + 8
     result: dict = {"model": str(args.model), "prompts": args.prompts, "prompt_len": args.prompt_len,
                     "max_tokens": args.max_tokens, "logprobs": args.logprobs, "repeats": args.repeats,
+                    "enforce_eager": args.enforce_eager,
                     "machine": {"platform": platform.platform(), "python": platform.python_version()}}
     dtypes = args.dtype.split(",")
     for name in args.backends.split(","):
         for dtype in dtypes:
             key = name if len(dtypes) == 1 else f"{name}@{dtype}"
             key += f"#{sum(k.split('#')[0] == key for k in result)}" if key in result else ""  # a repeated dtype
-            result[key] = await bench_backend(name, args.model, prompts, sp, args.repeats, max_model_len, dtype)
+            eager = None if args.enforce_eager == "auto" else args.enforce_eager == "true"
+            result[key] = await bench_backend(name, args.model, prompts, sp, args.repeats, max_model_len, dtype,
+                                              eager)
     if "hf" in result and "vllm" in result:
         result["vllm_over_hf_tokens_per_s"] = round(result["vllm"]["median_tokens_per_s"]
                                                     / result["hf"]["median_tokens_per_s"], 2)
