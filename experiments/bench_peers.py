@@ -12,8 +12,8 @@ sides (``--sides``):
   ``hf``: ``model.generate``; ``vllm``: TRL's vLLM colocate mode, its fastest on a GPU; see
   experiments/results/peers/README.md for which run on a CPU);
 - ``ours_grpo``: ``python -m arpo.main_arpo preset=grpo`` on verl's single-turn agent loop: the same single
-  generation per completion, through vLLM, Ray and FSDP2 ranks, with ``--ours-set`` overrides (by default vLLM
-  and the actor's decoder layers compiled: our fastest configuration on a CPU, as TRL gets its own);
+  generation per completion, through vLLM, Ray and FSDP2 ranks, with our defaults and any ``--ours-set``
+  overrides (say, vLLM and the actor's decoder layers compiled);
 - ``ours_arpo``: our ARPO step as ``make run`` trains it (tools, the entropy-forked tree, M = ``--n``): more work
   per step than the other two (tool calls and results), reported beside them, not divided by them.
 
@@ -59,10 +59,10 @@ from experiments import REPO, PeakSampler, environ_with, repo_path, repo_relativ
 SIDES = ("trl", "ours_grpo", "ours_arpo")
 DTYPES = ("bfloat16", "float32")
 TRL_GENERATION = ("hf", "continuous", "vllm")
-#: our sides' overrides unless --ours-set, our fastest configuration as TRL gets its own: vLLM compiled on a CPU
-#: (1.4x faster decoding, ~1 min longer start-up, outside the step; CUDA graphs on a GPU, its default anyway) and
-#: the actor's decoder layers compiled (-7% update; compiled in the warm-up step)
-OURS_DEFAULT = ("actor_rollout_ref.rollout.enforce_eager=false", "actor_rollout_ref.actor.use_torch_compile=true")
+#: our sides' overrides unless --ours-set: none, our defaults as a user runs them. Compiling vLLM and the actor
+#: (--ours-set actor_rollout_ref.rollout.enforce_eager=false --ours-set actor_rollout_ref.actor.use_torch_compile=true)
+#: did not change this job's step beyond the spread of its sampled lengths (experiments/results/peers/README.md)
+OURS_DEFAULT: tuple[str, ...] = ()
 #: make run's outputs (python -m arpo.pipeline --preset smollm2)
 DEFAULT_RUN = REPO / "outputs" / "smollm2_arpo"
 
@@ -426,8 +426,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--trl-bf16-weights", action="store_true",
                    help="TRL at bfloat16 keeps its weights in bf16 instead of mixed precision over float32 weights")
     p.add_argument("--ours-set", action="append", metavar="KEY=VALUE", default=None,
-                   help="a config override for our sides (repeatable; default: " + " ".join(OURS_DEFAULT) + ": "
-                        "vLLM and the actor's layers compiled, our fastest on a CPU; --ours-set none: none)")
+                   help="a config override for our sides (repeatable; default: none, our defaults), e.g. "
+                        "actor_rollout_ref.rollout.enforce_eager=false (vLLM compiled)")
     p.add_argument("--work-dir", type=Path, default=None, help="runs' logs and outputs (default: a temporary dir)")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     p.add_argument("--table", type=Path, default=None,

@@ -35,8 +35,8 @@ def test_our_sides_compose_the_job_and_pass_start_up_validation(sft_model_dir, t
     assert cfg.actor_rollout_ref.model.dtype == cfg.actor_rollout_ref.rollout.dtype == "float32"
     assert cfg.data.train_files == job["prompts_file"] and cfg.trainer.val_before_train is False
     assert cfg.algorithm.use_kl_in_reward is False and cfg.actor_rollout_ref.actor.use_kl_loss is False  # TRL's beta 0
-    # our fastest CPU configuration: vLLM and the actor's decoder layers compiled
-    assert cfg.actor_rollout_ref.rollout.enforce_eager is False and cfg.actor_rollout_ref.actor.use_torch_compile
+    # our defaults, as a user runs them (--ours-set adds overrides)
+    assert cfg.actor_rollout_ref.rollout.enforce_eager is None and not cfg.actor_rollout_ref.actor.use_torch_compile
     if side == "ours_grpo":  # the single-turn loop: the prompts file has no agent_name
         assert cfg.actor_rollout_ref.rollout.mode == "agent_loop" and cfg.algorithm.adv_estimator == "grpo"
         assert cfg.actor_rollout_ref.rollout.agent.default_agent_loop == "single_turn_agent"
