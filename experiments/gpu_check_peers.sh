@@ -53,6 +53,11 @@ step trl "$py" experiments/bench_peers.py --model "$model" --data "$prompts" --s
 step ours_update "$py" experiments/bench_trainer.py --model "$model" --no-ray --ranks 1 --settings multi \
   --device "$device" --rows "$rows" --prompt-len "$plen" --response-len "$resp" --micro 8 --steps "$steps" \
   --warmup 1 --on-policy
+# the same update with the actor's decoder layers compiled (actor_rollout_ref.actor.use_torch_compile; verl's GPU
+# default), compiled in the warm-up step
+step ours_update_compiled "$py" experiments/bench_trainer.py --model "$model" --no-ray --ranks 1 --settings multi \
+  --device "$device" --rows "$rows" --prompt-len "$plen" --response-len "$resp" --micro 8 --steps "$steps" \
+  --warmup 1 --on-policy --set actor_rollout_ref.actor.use_torch_compile=true
 step ours_generation "$py" experiments/bench_engine.py --model "$model" --backends hf --prompts "$rows" \
   --prompt-len "$plen" --max-tokens "$resp" --logprobs 0 --repeats "$repeats" --dtype bfloat16
 "$py" - "$out" <<'PY'
@@ -64,7 +69,7 @@ def load(name):
         return json.loads((out / f"{name}.json").read_text())
     except Exception:
         return None
-trl, upd, gen = load("trl"), load("ours_update"), load("ours_generation")
+trl, upd, gen, compiled = load("trl"), load("ours_update"), load("ours_generation"), load("ours_update_compiled")
 if trl:
     for r in trl["runs"]:
         timed = r["steps"][1:]
@@ -72,6 +77,8 @@ if trl:
               "rest_s", [round(s["update_seconds"], 2) for s in timed], "gen tok/s", r.get("generated_tokens_per_s"))
 if upd:
     print("ours update:", json.dumps({k: v for k, v in upd.items() if k not in ("machine",)})[:1500])
+if compiled:
+    print("ours update, compiled:", json.dumps({k: v for k, v in compiled.items() if k not in ("machine",)})[:1500])
 if gen:
     print("ours HF generation:", json.dumps(gen.get("hf"))[:800])
 PY
