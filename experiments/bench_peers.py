@@ -59,10 +59,6 @@ from experiments import REPO, PeakSampler, environ_with, repo_path, repo_relativ
 SIDES = ("trl", "ours_grpo", "ours_arpo")
 DTYPES = ("bfloat16", "float32")
 TRL_GENERATION = ("hf", "continuous", "vllm")
-#: our sides' overrides unless --ours-set: none, our defaults as a user runs them. Compiling vLLM and the actor
-#: (--ours-set actor_rollout_ref.rollout.enforce_eager=false --ours-set actor_rollout_ref.actor.use_torch_compile=true)
-#: did not change this job's step beyond the spread of its sampled lengths (experiments/results/peers/README.md)
-OURS_DEFAULT: tuple[str, ...] = ()
 #: make run's outputs (python -m arpo.pipeline --preset smollm2)
 DEFAULT_RUN = REPO / "outputs" / "smollm2_arpo"
 
@@ -385,12 +381,12 @@ def write_table(folder: Path) -> dict[str, Any]:
                              "trained_tokens_per_s": row.get("trained_tokens_per_s"),
                              "peak_pss_gb": row.get("peak_pss_gb"), "ratio_to_trl": row.get("ratio_to_trl"),
                              "ratio_per_token": row.get("ratio_to_trl_per_trained_token"),
-                             "ours_set": " ".join(job.get("ours_overrides", [])) or "–", "commit": m["git_sha"][:7]})
+                             "ours_set": " ".join(job.get("ours_overrides", [])), "commit": m["git_sha"][:7]})
     lines = ["| machine | dtype | TRL generates with | our overrides | side | repeats | s / step | generated tok/s | "
              "trained tok/s | peak PSS GB | ours / TRL (s / step) | ours / TRL (s / trained token) | commit | file |",
              "|" + "---|" * 14]
     for r in rows:
-        ours_set = "–" if r["side"] == "trl" else f"`{r['ours_set']}`" if r["ours_set"] != "–" else "–"
+        ours_set = f"`{r['ours_set']}`" if r["side"] != "trl" and r["ours_set"] else "–"
         lines.append(f"| {r['machine']} | {r['dtype']} | {r['trl_config']} | {ours_set} | {r['side']} | "
                      f"{r['repeats']} | {_spread(r['step_s'])} | "
                      f"{_spread(r['generated_tokens_per_s'])} | {_spread(r['trained_tokens_per_s'])} | "
@@ -436,10 +432,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype-child", choices=DTYPES, help=argparse.SUPPRESS)
     p.add_argument("--out-child", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.ours_set = [o for o in (OURS_DEFAULT if args.ours_set is None else args.ours_set) if o != "none"]
+    args.ours_set = args.ours_set or []  # our defaults, as a user runs them
     for override in args.ours_set:
         if "=" not in override:
-            p.error(f"--ours-set {override!r}: give KEY=VALUE (a config override), or none")
+            p.error(f"--ours-set {override!r}: give KEY=VALUE (a config override)")
     if args.trl_child is None and args.table is None:
         for name, value in (("--model", args.model), ("--data", args.data)):
             if not value.exists():

@@ -175,7 +175,7 @@ def test_ours_set_overrides_our_sides_and_changing_it_reruns_only_ours(sft_model
     work = tmp_path / "work"
     base = ["--model", str(sft_model_dir), "--data", str(data), "--sides", "trl", "ours_grpo", "--prompts", "2",
             "--n", "2", "--steps", "2", "--repeats", "1", "--dtypes", "float32", "--work-dir", str(work)]
-    eager = bench_peers.parse_args([*base, "--ours-set", "none"])
+    eager = bench_peers.parse_args(base)
     assert eager.ours_set == []
     old = bench_peers.write_job(eager, work)
     for side in ("trl", "ours_grpo"):  # both finished with the eager engine on our side
