@@ -32,7 +32,8 @@ from arpo.trainer.lora import (MergedLinear, adapters_disabled, apply_lora, has_
 from arpo.trainer.micro_batches import dummy_micro_batch, plan_micro_batches
 from arpo.trainer.memory import configure_allocator, memory_stats, release_memory
 from arpo.trainer.optim import build_optimizer
-from arpo.trainer.model_init import compile_blocks, materialize_from_rank0, shard_model
+from arpo.trainer.model_init import (compile_blocks, materialize_from_rank0, reshard_layers_after_forward,
+                                     shard_model)
 from arpo.trainer.tree_attention import use_tree_attention
 from arpo.trainer.tree_packing import pack_micro_batch, packed_logprobs_and_entropy
 from arpo.trainer.worker_config import WorkerConfig
@@ -352,21 +353,13 @@ class ActorWorker:
         # without one would leave the whole model gathered).
         keep_gathered = not self.cfg.reshard_after_forward
         if keep_gathered:
-            self._reshard_layers_after_forward(False)
+            reshard_layers_after_forward(self.model, False)
         try:
             return ppo_update(self, batch, keep_gradients)
         finally:
             if keep_gathered:
-                self._reshard_layers_after_forward(True)
+                reshard_layers_after_forward(self.model, True)
             release_memory()
-
-    def _reshard_layers_after_forward(self, reshard: bool) -> None:
-        # The layers only: FSDP2 never reshards the root unit after forward, and True on it would add a gather.
-        from torch.distributed.fsdp import FSDPModule
-
-        for module in self.model.modules():
-            if module is not self.model and isinstance(module, FSDPModule):
-                module.set_reshard_after_forward(reshard, recurse=False)
 
     # ------------------------------------------------------------------------------------------------
     # weights out: engine hand-over, HF export, inspection

@@ -5,7 +5,8 @@ device, shards it block by block (:func:`shard_model`), allocates only its own s
 the weights from rank 0 one tensor at a time (DCP's ``set_model_state_dict`` with ``broadcast_from_rank0``), so
 no GPU ever holds the whole model and no other rank ever holds it in host RAM. Buffers left out of the state dict
 (a rotary embedding's ``inv_freq``) are broadcast from rank 0's loaded copy too: they are then exactly what
-``from_pretrained`` computed, as if every rank had loaded the checkpoint itself.
+``from_pretrained`` computed, as if every rank had loaded the checkpoint itself. The decoder layers' FSDP2 units
+are handled here too: whether they reshard after forward, and compiling them.
 """
 
 from __future__ import annotations
@@ -37,6 +38,16 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
         raise ValueError(f"{type(model).__name__} names no transformer block class in _no_split_modules; "
                          f"cannot shard it layer by layer")
     return blocks
+
+
+def reshard_layers_after_forward(model: torch.nn.Module, reshard: bool) -> None:
+    """FSDP2's reshard-after-forward switch on each decoder layer's unit. The layers only: FSDP2 never reshards the
+    root unit after forward, and True on it would add a gather."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if module is not model and isinstance(module, FSDPModule):
+            module.set_reshard_after_forward(reshard, recurse=False)
 
 
 def compile_blocks(model: torch.nn.Module) -> None:
