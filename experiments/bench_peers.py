@@ -3,8 +3,8 @@
 The job: the first ``--prompts x --steps`` prompts of a synthetic-benchmark parquet, ``--n`` completions each,
 prompts <= ``--max-prompt-length`` and completions <= ``--max-response-length`` tokens, sampled at temperature 1,
 one optimizer step per generation batch (mini-batch = batch, micro-batches of ``--micro`` rows), no KL term
-(TRL's beta 0, no reference model), the same SFT'd model, learning rate and dtype, and the machine's threads. The
-sides (``--sides``):
+(TRL's beta 0, no reference model), gradient checkpointing on both sides or neither (``--gradient-checkpointing``),
+the same SFT'd model, learning rate and dtype, and the machine's threads. The sides (``--sides``):
 
 - ``trl``: TRL's ``GRPOTrainer`` with its defaults for everything the job leaves open (loss_type ``dapo``, the
   global token mean, which is our ``token-mean``: tests/trainer/test_trl_parity.py), generating with
@@ -84,6 +84,7 @@ def write_job(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "prompts_per_step": args.prompts, "n": args.n, "steps": args.steps, "warmup": args.warmup,
             "max_prompt_length": args.max_prompt_length, "max_response_length": args.max_response_length,
             "micro_batch_rows": args.micro, "lr": args.lr, "temperature": 1.0, "threads": args.threads,
+            "gradient_checkpointing": args.gradient_checkpointing == "on",
             "trl_generation": args.trl_generation, "trl_bf16_weights": args.trl_bf16_weights,
             "ours_overrides": list(args.ours_set)}
 
@@ -108,6 +109,7 @@ def ours_command(side: str, dtype: str, job: dict[str, Any], out: Path) -> list[
              f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={job['micro_batch_rows']}",
              f"actor_rollout_ref.actor.optim.lr={job['lr']}", f"actor_rollout_ref.model.dtype={dtype}",
              f"actor_rollout_ref.rollout.dtype={dtype}", "actor_rollout_ref.rollout.arpo.return_entropy=false",
+             f"actor_rollout_ref.model.enable_gradient_checkpointing={str(job['gradient_checkpointing']).lower()}",
              f"trainer.total_training_steps={job['steps']}", "trainer.test_freq=-1", "trainer.val_before_train=false",
              "trainer.save_freq=-1", "trainer.logger=[jsonl]", f"trainer.output_dir={out}"]
     mine = {o.split("=", 1)[0] for o in sizes}
@@ -180,7 +182,7 @@ def trl_child(job: dict[str, Any], dtype: str, out: Path) -> None:
         per_device_train_batch_size=micro, gradient_accumulation_steps=rows // micro, num_generations=job["n"],
         max_completion_length=job["max_response_length"], max_steps=job["steps"], learning_rate=job["lr"],
         beta=0.0, temperature=job["temperature"], shuffle_dataset=False, logging_steps=1, save_strategy="no",
-        report_to=[], gradient_checkpointing=True, seed=0,
+        report_to=[], gradient_checkpointing=job["gradient_checkpointing"], seed=0,
         use_transformers_continuous_batching=job["trl_generation"] == "continuous", dataloader_num_workers=0,
         use_vllm=job["trl_generation"] == "vllm", vllm_mode="colocate",
         vllm_max_model_length=job["max_prompt_length"] + job["max_response_length"],
@@ -321,7 +323,9 @@ def finished_run(side: str, dtype: str, job: dict[str, Any], work: Path, repeat:
     if not path.is_file():
         return None
     saved = json.loads(path.read_text())
-    return saved["result"] if side_job(side, saved.get("job", {})) == side_job(side, job) else None
+    # jobs saved before the key existed ran with checkpointing on both sides
+    saved_job = {"gradient_checkpointing": True, **saved.get("job", {})}
+    return saved["result"] if side_job(side, saved_job) == side_job(side, job) else None
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -373,9 +377,11 @@ def write_table(folder: Path) -> dict[str, Any]:
             f", {m['gpu']}" if m.get("gpu") else "")
         job = result.get("job", {})
         trl = job.get("trl_generation", "hf") + (", bf16 weights" if job.get("trl_bf16_weights") else "")
+        recompute = "" if job.get("gradient_checkpointing", True) else ", no gradient checkpointing"
         for dtype, sides in result["summary"].items():
             for side, row in sides.items():
-                rows.append({"file": path.name, "machine": machine, "dtype": dtype, "trl_config": trl, "side": side,
+                rows.append({"file": path.name, "machine": machine, "dtype": dtype + recompute, "trl_config": trl,
+                             "side": side,
                              "repeats": row["repeats"], "step_s": row.get("step_s"),
                              "generated_tokens_per_s": row.get("generated_tokens_per_s"),
                              "trained_tokens_per_s": row.get("trained_tokens_per_s"),
@@ -417,6 +423,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="torch threads of TRL's process; our side splits the same cores over its ranks and engine")
+    p.add_argument("--gradient-checkpointing", choices=("on", "off"), default="on",
+                   help="recompute each decoder layer in the backward, on both sides (default on: TRL's and make "
+                        "run's setting; off: faster, more memory)")
     p.add_argument("--trl-generation", choices=TRL_GENERATION, default="continuous",
                    help="TRL's generation (default: continuous batching, its fastest on a CPU)")
     p.add_argument("--trl-bf16-weights", action="store_true",

@@ -37,6 +37,7 @@ def test_our_sides_compose_the_job_and_pass_start_up_validation(sft_model_dir, t
     assert cfg.algorithm.use_kl_in_reward is False and cfg.actor_rollout_ref.actor.use_kl_loss is False  # TRL's beta 0
     # our defaults, as a user runs them (--ours-set adds overrides)
     assert cfg.actor_rollout_ref.rollout.enforce_eager is None and not cfg.actor_rollout_ref.actor.use_torch_compile
+    assert cfg.actor_rollout_ref.model.enable_gradient_checkpointing is True  # as TRL's side (its default)
     if side == "ours_grpo":  # the single-turn loop: the prompts file has no agent_name
         assert cfg.actor_rollout_ref.rollout.mode == "agent_loop" and cfg.algorithm.adv_estimator == "grpo"
         assert cfg.actor_rollout_ref.rollout.agent.default_agent_loop == "single_turn_agent"
@@ -194,6 +195,33 @@ def test_ours_set_overrides_our_sides_and_changing_it_reruns_only_ours(sft_model
     assert ran == ["ours_grpo"]  # TRL never reads --ours-set: its finished run stands
     with pytest.raises(SystemExit):
         bench_peers.parse_args([*base, "--ours-set", "enforce_eager"])
+
+
+def test_gradient_checkpointing_off_reaches_both_sides_and_reruns_both(sft_model_dir, tmp_path, monkeypatch):
+    """The recompute is part of the job, so both sides follow the flag; a run saved before the job had the key
+    (checkpointing on) stays valid for the default and is rerun for ``off``."""
+    from arpo.config import load_config
+
+    data = sft_model_dir.parent.parent / "data" / "synthetic" / "train.parquet"
+    work = tmp_path / "work"
+    base = ["--model", str(sft_model_dir), "--data", str(data), "--sides", "trl", "ours_grpo", "--prompts", "2",
+            "--n", "2", "--steps", "2", "--repeats", "1", "--dtypes", "float32", "--work-dir", str(work)]
+    old = bench_peers.write_job(bench_peers.parse_args(base), work)
+    assert old.pop("gradient_checkpointing") is True
+    for side in ("trl", "ours_grpo"):
+        (work / f"{side}_float32_r0").mkdir(parents=True)
+        (work / f"{side}_float32_r0" / "result.json").write_text(json.dumps(
+            {"job": old, "result": {"side": side, "dtype": "float32", "repeat": 0, "step_s": 4.0}}))
+    ran = []
+    monkeypatch.setattr(bench_peers, "run_side", lambda side, dtype, job, work, repeat: ran.append(side) or
+                        {"side": side, "dtype": dtype, "repeat": repeat, "step_s": 2.0})
+    assert bench_peers.main(base) == 0 and ran == []  # the default is what the old runs did
+    off = [*base, "--gradient-checkpointing", "off"]
+    job = bench_peers.write_job(bench_peers.parse_args(off), work)
+    assert job["gradient_checkpointing"] is False
+    cfg = load_config("arpo_trainer", bench_peers.ours_command("ours_grpo", "float32", job, tmp_path / "run")[3:])
+    assert cfg.actor_rollout_ref.model.enable_gradient_checkpointing is False
+    assert bench_peers.main(off) == 0 and ran == ["trl", "ours_grpo"]
 
 
 def test_a_rerun_of_our_side_counts_only_its_own_steps(sft_model_dir, tmp_path, monkeypatch):
