@@ -81,6 +81,53 @@ def test_fixed_mmap_threshold_returns_freed_blocks_at_once(tmp_path):
     assert kept["fixed"] < 20  # unmapped when freed
 
 
+# Rounds of 0.25-3.75 MiB tensors (under the mmap threshold: from the heap), a third freed at once, the rest at
+# the round's end, as a micro-batch's activations; page faults per round after three warm-up rounds.
+FAULTS_SCRIPT = r"""
+import resource, sys
+import torch
+from arpo.trainer.memory import configure_allocator
+assert configure_allocator(top_pad=int(sys.argv[1]))
+def round_(i):
+    kept = []
+    for j in range(48):
+        t = torch.empty((1 + (i * 7 + j * 5) % 15) << 16).fill_(1.0)
+        if j % 3:
+            kept.append(t)
+    last = torch.empty(1 << 16).fill_(1.0)
+    del kept
+    return last
+for i in range(3):
+    x = round_(i)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for i in range(10):
+    x = round_(i)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10)
+"""
+
+
+@pytest.mark.skipif(_libc() is None, reason="mallopt is glibc's")
+def test_the_heap_keeps_its_top_pad_so_each_round_of_activations_does_not_fault_in_again():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from arpo.trainer.memory import TOP_PAD
+
+    root = Path(__file__).resolve().parents[2]
+
+    def faults(top_pad: int) -> float:
+        out = subprocess.run([sys.executable, "-c", FAULTS_SCRIPT, str(top_pad)], cwd=root, capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+        assert out.returncode == 0, out.stderr
+        return float(out.stdout.split()[-1])
+
+    trimmed = faults(128 * 1024)  # glibc's own pad: the freed top goes back to the OS after each round
+    assert trimmed > 2_000  # 4 KiB pages: most of a round's ~40 MiB faulted in again
+    assert faults(TOP_PAD) < trimmed / 3
+
+
 def test_allocator_env_adds_huge_pages_and_keeps_a_users_tunables():
     assert allocator_env({}) == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
     assert allocator_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == {
