@@ -30,7 +30,7 @@ from arpo.trainer.logprobs import compute_logprobs_and_entropy
 from arpo.trainer.lora import (MergedLinear, adapters_disabled, apply_lora, has_lora, lora_engine_tensors,
                               save_worker_adapter)
 from arpo.trainer.micro_batches import dummy_micro_batch, plan_micro_batches
-from arpo.trainer.memory import configure_allocator, memory_stats, release_memory
+from arpo.trainer.memory import configure_allocator, keep_heap_top, memory_stats, release_memory
 from arpo.trainer.optim import build_optimizer
 from arpo.trainer.model_init import (compile_blocks, materialize_from_rank0, reshard_layers_after_forward,
                                      shard_model)
@@ -167,6 +167,7 @@ class ActorWorker:
             model.eval()
         release_memory(full=True)  # rank 0's host copy of the checkpoint
         load_peak = memory_stats()["peak_rss_mb"]
+        keep_heap_top()  # the steps' activations reuse their freed heap pages instead of faulting new ones in
         n_params = sum(p.numel() for p in model.parameters())
         logger.info("%s rank %d/%d: %s on %s (%s, %s), %.2fM params, load peak RSS %.0f MiB", self.role, self.rank,
                     self.world_size, type(model).__name__, self.device, self.settings.backend,

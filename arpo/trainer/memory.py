@@ -11,9 +11,10 @@ are mapped and unmapped on free and RSS follows live memory (measured: 2.6 and 2
 runs above). Each such block is then page-faulted afresh; :data:`ALLOCATOR_ENV` asks glibc for
 transparent huge pages on them (one fault per 2 MiB), which kept the cost to 0-10% of the update's time
 (1 to 16 rows; about twice that without). The smaller blocks come from the heap, which glibc trimmed back to the
-OS whenever its free top passed 128 KiB, so each micro-batch faulted those pages in again too: the allocator also
-keeps :data:`TOP_PAD` free at the heap's top (16M page faults → 7.5M and the update 6-13% faster on one rank of 2
-threads, 4.5% on two ranks of one, for ~0.3 GB a rank: experiments/results/trainer_speed/).
+OS whenever its free top passed 128 KiB, so each micro-batch faulted those pages in again too: once the model is
+loaded, :func:`keep_heap_top` keeps :data:`TOP_PAD` free at the heap's top (16M page faults → 7.5M and the update
+6-13% faster on one rank of 2 threads, 4.5% on two ranks of one, for ~0.3 GB a rank:
+experiments/results/trainer_speed/).
 :func:`release_memory` after each big phase
 (``gc.collect`` for reference cycles, then ``malloc_trim(0)``) returns what the heap still holds. All of it is
 a no-op where glibc is absent (musl, macOS).
@@ -52,11 +53,17 @@ def _libc() -> ctypes.CDLL | None:
     return libc
 
 
-def configure_allocator(mmap_threshold: int = MMAP_THRESHOLD, top_pad: int = TOP_PAD) -> bool:
-    """Fix glibc's mmap threshold and the heap's top pad (see the module docstring); True when both were set."""
+def configure_allocator(mmap_threshold: int = MMAP_THRESHOLD) -> bool:
+    """Fix glibc's mmap threshold (see the module docstring); True when it was set."""
     libc = _libc()
-    return bool(libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold))
-                and libc.mallopt(_M_TOP_PAD, int(top_pad)))
+    return bool(libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)))
+
+
+def keep_heap_top(pad: int = TOP_PAD) -> bool:
+    """From now on the heap keeps ``pad`` bytes free at its top instead of trimming them (see the module
+    docstring); True when it was set. After the model's load, whose one pass gains nothing from it."""
+    libc = _libc()
+    return bool(libc is not None and libc.mallopt(_M_TOP_PAD, int(pad)))
 
 
 def allocator_env(environ: dict[str, str] | None = None) -> dict[str, str]:

@@ -81,51 +81,37 @@ def test_fixed_mmap_threshold_returns_freed_blocks_at_once(tmp_path):
     assert kept["fixed"] < 20  # unmapped when freed
 
 
-# Rounds of 0.25-3.75 MiB tensors (under the mmap threshold: from the heap), a third freed at once, the rest at
-# the round's end, as a micro-batch's activations; page faults per round after three warm-up rounds.
-FAULTS_SCRIPT = r"""
-import resource, sys
-import torch
-from arpo.trainer.memory import configure_allocator
-assert configure_allocator(top_pad=int(sys.argv[1]))
-def round_(i):
-    kept = []
-    for j in range(48):
-        t = torch.empty((1 + (i * 7 + j * 5) % 15) << 16).fill_(1.0)
-        if j % 3:
-            kept.append(t)
-    last = torch.empty(1 << 16).fill_(1.0)
-    del kept
-    return last
-for i in range(3):
-    x = round_(i)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for i in range(10):
-    x = round_(i)
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10)
+KEEP_SCRIPT = r"""
+import sys
+from arpo.trainer.memory import configure_allocator, keep_heap_top, memory_stats
+assert configure_allocator()
+if sys.argv[1] == "keep":
+    assert keep_heap_top()
+base = memory_stats()["rss_mb"]
+# 64 MiB in 2 MiB blocks: under the 4 MiB threshold, so from the heap, whose top they are once freed
+blocks = [bytearray(2 << 20) for _ in range(32)]
+del blocks
+print(round(memory_stats()["rss_mb"] - base))
 """
 
 
 @pytest.mark.skipif(_libc() is None, reason="mallopt is glibc's")
-def test_the_heap_keeps_its_top_pad_so_each_round_of_activations_does_not_fault_in_again():
+def test_keep_heap_top_keeps_freed_activations_resident_for_the_next_micro_batch():
+    """Without the pad glibc trims the freed top at once, and the next micro-batch faults the pages in again."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    from arpo.trainer.memory import TOP_PAD
-
     root = Path(__file__).resolve().parents[2]
-
-    def faults(top_pad: int) -> float:
-        out = subprocess.run([sys.executable, "-c", FAULTS_SCRIPT, str(top_pad)], cwd=root, capture_output=True,
-                             text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    kept = {}
+    for mode in ("trim", "keep"):
+        out = subprocess.run([sys.executable, "-c", KEEP_SCRIPT, mode], cwd=root, capture_output=True, text=True,
+                             timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
         assert out.returncode == 0, out.stderr
-        return float(out.stdout.split()[-1])
-
-    trimmed = faults(128 * 1024)  # glibc's own pad: the freed top goes back to the OS after each round
-    assert trimmed > 2_000  # 4 KiB pages: most of a round's ~40 MiB faulted in again
-    assert faults(TOP_PAD) < trimmed / 3
+        kept[mode] = int(out.stdout.split()[-1])
+    assert kept["trim"] < 16  # back to the OS
+    assert kept["keep"] > 56  # still the heap's
 
 
 def test_allocator_env_adds_huge_pages_and_keeps_a_users_tunables():
