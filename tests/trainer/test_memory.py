@@ -62,21 +62,23 @@ print(round(memory_stats()["rss_mb"] - base))
 """
 
 
-@pytest.mark.skipif(_libc() is None, reason="mallopt is glibc's")
-def test_fixed_mmap_threshold_returns_freed_blocks_at_once(tmp_path):
-    # Own process: the threshold is process-wide.
+def _mib_kept(script: str, mode: str) -> int:
+    """The MiB ``script`` prints, run in a process of its own (malloc's settings are process-wide)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    kept = {}
-    for mode in ("glibc_default", "fixed"):
-        out = subprocess.run([sys.executable, "-c", ALLOCATOR_SCRIPT, mode], cwd=root, capture_output=True, text=True,
-                             timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
-        assert out.returncode == 0, out.stderr
-        kept[mode] = int(out.stdout.split()[-1])
+    out = subprocess.run([sys.executable, "-c", script, mode], cwd=root, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout.split()[-1])
+
+
+@pytest.mark.skipif(_libc() is None, reason="mallopt is glibc's")
+def test_fixed_mmap_threshold_returns_freed_blocks_at_once(tmp_path):
+    kept = {mode: _mib_kept(ALLOCATOR_SCRIPT, mode) for mode in ("glibc_default", "fixed")}
     assert kept["glibc_default"] > 100  # 128 MiB freed, still resident
     assert kept["fixed"] < 20  # unmapped when freed
 
@@ -98,18 +100,7 @@ print(round(memory_stats()["rss_mb"] - base))
 @pytest.mark.skipif(_libc() is None, reason="mallopt is glibc's")
 def test_keep_heap_top_keeps_freed_activations_resident_for_the_next_micro_batch():
     """Without the pad glibc trims the freed top at once, and the next micro-batch faults the pages in again."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    kept = {}
-    for mode in ("trim", "keep"):
-        out = subprocess.run([sys.executable, "-c", KEEP_SCRIPT, mode], cwd=root, capture_output=True, text=True,
-                             timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
-        assert out.returncode == 0, out.stderr
-        kept[mode] = int(out.stdout.split()[-1])
+    kept = {mode: _mib_kept(KEEP_SCRIPT, mode) for mode in ("trim", "keep")}
     assert kept["trim"] < 16  # back to the OS
     assert kept["keep"] > 56  # still the heap's
 
