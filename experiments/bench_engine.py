@@ -114,11 +114,11 @@ async def main() -> None:
                     "enforce_eager": args.enforce_eager,
                     "machine": {"platform": platform.platform(), "python": platform.python_version()}}
     dtypes = args.dtype.split(",")
+    eager = None if args.enforce_eager == "auto" else args.enforce_eager == "true"
     for name in args.backends.split(","):
         for dtype in dtypes:
             key = name if len(dtypes) == 1 else f"{name}@{dtype}"
             key += f"#{sum(k.split('#')[0] == key for k in result)}" if key in result else ""  # a repeated dtype
-            eager = None if args.enforce_eager == "auto" else args.enforce_eager == "true"
             result[key] = await bench_backend(name, args.model, prompts, sp, args.repeats, max_model_len, dtype,
                                               eager)
     if "hf" in result and "vllm" in result:

@@ -50,14 +50,12 @@ step trl "$py" experiments/bench_peers.py --model "$model" --data "$prompts" --s
   --trl-generation hf \
   --prompts "$prompts_n" --n "$n" --max-response-length "$resp" --steps "$steps" --warmup 1 \
   --repeats "$repeats" --threads 8 --work-dir /tmp/peers_work
-step ours_update "$py" experiments/bench_trainer.py --model "$model" --no-ray --ranks 1 --settings multi \
-  --device "$device" --rows "$rows" --prompt-len "$plen" --response-len "$resp" --micro 8 --steps "$steps" \
-  --warmup 1 --on-policy
+update=("$py" experiments/bench_trainer.py --model "$model" --no-ray --ranks 1 --settings multi --device "$device"
+  --rows "$rows" --prompt-len "$plen" --response-len "$resp" --micro 8 --steps "$steps" --warmup 1 --on-policy)
+step ours_update "${update[@]}"
 # the same update with the actor's decoder layers compiled (actor_rollout_ref.actor.use_torch_compile; verl's GPU
 # default), compiled in the warm-up step
-step ours_update_compiled "$py" experiments/bench_trainer.py --model "$model" --no-ray --ranks 1 --settings multi \
-  --device "$device" --rows "$rows" --prompt-len "$plen" --response-len "$resp" --micro 8 --steps "$steps" \
-  --warmup 1 --on-policy --set actor_rollout_ref.actor.use_torch_compile=true
+step ours_update_compiled "${update[@]}" --set actor_rollout_ref.actor.use_torch_compile=true
 step ours_generation "$py" experiments/bench_engine.py --model "$model" --backends hf --prompts "$rows" \
   --prompt-len "$plen" --max-tokens "$resp" --logprobs 0 --repeats "$repeats" --dtype bfloat16
 "$py" - "$out" <<'PY'

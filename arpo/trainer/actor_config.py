@@ -125,6 +125,13 @@ def _positive_int(cfg: Any, key: str, default: Any) -> int:
     return value
 
 
+def _boolean(cfg: Any, key: str, default: bool) -> bool:
+    value = cfg_get(cfg, key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
 def _number_in(cfg: Any, key: str, default: float, low: float, high: float, low_open: bool = False) -> float:
     value = cfg_get(cfg, key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
@@ -231,20 +238,10 @@ def validate_actor_config(cfg: Any) -> None:
     if dtype not in DTYPE_CHOICES:
         raise ConfigError(f"actor_rollout_ref.model.dtype={dtype!r} is not valid; choose one of: "
                           f"{', '.join(DTYPE_CHOICES)}")
-    checkpointing = cfg_get(cfg, "actor_rollout_ref.model.enable_gradient_checkpointing", True)
-    if not isinstance(checkpointing, bool):
-        raise ConfigError(f"actor_rollout_ref.model.enable_gradient_checkpointing must be true or false, "
-                          f"got {checkpointing!r}")
-    reshard = cfg_get(cfg, "actor_rollout_ref.actor.fsdp_config.reshard_after_forward", True)
-    if not isinstance(reshard, bool):
-        raise ConfigError(f"actor_rollout_ref.actor.fsdp_config.reshard_after_forward must be true or false, "
-                          f"got {reshard!r}")
-    compiled = cfg_get(cfg, "actor_rollout_ref.actor.use_torch_compile", False)
-    if not isinstance(compiled, bool):
-        raise ConfigError(f"actor_rollout_ref.actor.use_torch_compile must be true or false, got {compiled!r}")
-    share_prefix = cfg_get(cfg, "actor_rollout_ref.model.share_prefix", True)
-    if not isinstance(share_prefix, bool):
-        raise ConfigError(f"actor_rollout_ref.model.share_prefix must be true or false, got {share_prefix!r}")
+    _boolean(cfg, "actor_rollout_ref.model.enable_gradient_checkpointing", True)
+    _boolean(cfg, "actor_rollout_ref.actor.fsdp_config.reshard_after_forward", True)
+    _boolean(cfg, "actor_rollout_ref.actor.use_torch_compile", False)
+    _boolean(cfg, "actor_rollout_ref.model.share_prefix", True)
     packing = cfg_get(cfg, "actor_rollout_ref.model.tree_packing", "auto")
     if not (isinstance(packing, bool) or packing == "auto"):
         raise ConfigError(f"actor_rollout_ref.model.tree_packing must be true, false or auto, got {packing!r}")
@@ -277,8 +274,7 @@ def validate_actor_config(cfg: Any) -> None:
     for section, flag, budget in (("actor", "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
                                   ("rollout", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu"),
                                   ("ref", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu")):
-        if not isinstance(cfg_get(cfg, f"actor_rollout_ref.{section}.{flag}", False), bool):
-            raise ConfigError(f"actor_rollout_ref.{section}.{flag} must be true or false")
+        _boolean(cfg, f"actor_rollout_ref.{section}.{flag}", False)
         _positive_int(cfg, f"actor_rollout_ref.{section}.{budget}", 16384)
     if (train_bs * n) % ws:
         raise ConfigError(f"data.train_batch_size * rollout.n = {train_bs} * {n} = {train_bs * n} trajectories "

@@ -14,10 +14,9 @@ transparent huge pages on them (one fault per 2 MiB), which kept the cost to 0-1
 OS whenever its free top passed 128 KiB, so each micro-batch faulted those pages in again too: once the model is
 loaded, :func:`keep_heap_top` keeps :data:`TOP_PAD` free at the heap's top (16M page faults → 7.5M and the update
 6-13% faster on one rank of 2 threads, 4.5% on two ranks of one, for ~0.3 GB a rank:
-experiments/results/trainer_speed/).
-:func:`release_memory` after each big phase
-(``gc.collect`` for reference cycles, then ``malloc_trim(0)``) returns what the heap still holds. All of it is
-a no-op where glibc is absent (musl, macOS).
+experiments/results/trainer_speed/). :func:`release_memory` after each big phase (``gc.collect`` for reference
+cycles, then ``malloc_trim(0)``) returns what the heap still holds. All of it is a no-op where glibc is absent
+(musl, macOS).
 """
 
 from __future__ import annotations
